@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Say what an EP backend venv holds: installed, NOT yet proven to work.
+
+`uv sync` succeeding only proves that files landed. Before the GPU probes run (probes/check_ep.py
+proves that a backend works), this check catches the cheap failures on any machine, GPU or not:
+the wrong distribution providing `deep_ep`, two of them at once, a missing identifying file,
+or a compiled extension whose shared libraries cannot be found in the venv or the system.
+It never imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
+
+    python scripts/check_installed.py --venv /opt/venvs/deepep_v2 --backend deepep_v2 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# What identifies each backend's `deep_ep` on disk: the distribution that may provide it and a
+# file that only that layout has.
+BACKEND_DISTS: dict[str, tuple[str, ...]] = {
+    "deepep_v1": ("tokenspeed-deepep",),
+    "deepep_v2": ("sgl-deep-ep", "tokenspeed-deepep"),
+    "hybridep": ("deep-ep",),
+}
+BACKEND_MARKERS: dict[str, str] = {
+    "deepep_v1": "deep_ep/buffer.py",
+    "deepep_v2": "deep_ep/buffers/elastic.py",
+    "hybridep": "deep_ep/hybrid_ep_buffer.py",
+}
+ALL_DEEP_EP_DISTS = ("tokenspeed-deepep", "sgl-deep-ep", "deep-ep")
+# Provided by the GPU driver on the host at run time, never by a venv or an image.
+DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
+SYSTEM_DIRS = ("/lib64", "/usr/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu")
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass
+class Report:
+    """What landed in the venv; `problems` empty means installed as expected."""
+
+    venv: str
+    backend: str
+    status: str = "installed, not yet proven to work"
+    site_packages: str = ""
+    distributions: dict[str, str] = field(default_factory=dict)
+    marker: str = ""
+    extensions: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def find_site_packages(venv: Path) -> Path:
+    """The venv's site-packages (lib/pythonX.Y/site-packages)."""
+    candidates = sorted(venv.glob("lib/python3.*/site-packages"))
+    if not candidates:
+        raise FileNotFoundError(
+            f"{venv} has no lib/python3.*/site-packages: is it a venv? "
+            "Create it with scripts/make_venv.py or `uv sync --extra <backend>`."
+        )
+    return candidates[0]
+
+
+def installed_distributions(site: Path) -> dict[str, str]:
+    """Normalised distribution name -> version, read from *.dist-info directories."""
+    dists: dict[str, str] = {}
+    for info in site.glob("*.dist-info"):
+        metadata = info / "METADATA"
+        if not metadata.is_file():
+            continue
+        name = version = ""
+        for line in metadata.read_text(errors="replace").splitlines():
+            if line.startswith("Name:"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("Version:"):
+                version = line.split(":", 1)[1].strip()
+            elif not line:
+                break
+        if name:
+            dists[name.lower().replace("_", "-").replace(".", "-")] = version
+    return dists
+
+
+def elf_needed(path: Path) -> list[str]:
+    """DT_NEEDED entries of a 64-bit little-endian ELF shared object: what the loader looks for."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path} is not a 64-bit little-endian ELF file")
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
+    dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
+    if dynamic is None:
+        return []
+    strtab = sections[dynamic[6]]  # sh_link of .dynamic is its string table
+    names: list[str] = []
+    for offset in range(dynamic[4], dynamic[4] + dynamic[5], 16):
+        tag, value = struct.unpack_from("<qQ", data, offset)
+        if tag == 0:
+            break
+        if tag == 1:  # DT_NEEDED
+            start = strtab[4] + value
+            names.append(data[start : data.index(b"\0", start)].decode())
+    return names
+
+
+def system_libraries() -> set[str]:
+    """Library names the system loader knows (ldconfig cache plus the usual directories)."""
+    names: set[str] = set()
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+        names.update(line.split()[0] for line in out.splitlines()[1:] if line.strip())
+    except OSError:
+        pass
+    for directory in SYSTEM_DIRS:
+        if os.path.isdir(directory):
+            names.update(os.listdir(directory))
+    return names
+
+
+def venv_libraries(site: Path) -> dict[str, str]:
+    """Shared libraries shipped inside the venv (torch/lib, nvidia/*/lib, ...): name -> path."""
+    libs: dict[str, str] = {}
+    for lib in site.rglob("*.so*"):
+        if lib.is_file() and ".so" in lib.name:
+            libs.setdefault(lib.name, str(lib))
+    return libs
+
+
+def resolve_extensions(site: Path, report: Report) -> None:
+    """Check that every library each deep_ep extension needs can be found, except the driver's."""
+    extensions = [
+        *site.glob("deep_ep/*.so"),
+        *site.glob("deep_ep_cpp*.so"),
+        *site.glob("hybrid_ep_cpp*.so"),
+    ]
+    if not extensions:
+        report.problems.append("no compiled deep_ep extension (*.so) found: the build did not land")
+        return
+    in_venv, in_system = venv_libraries(site), system_libraries()
+    for ext in extensions:
+        resolved: dict[str, str | None] = {}
+        for needed in elf_needed(ext):
+            if needed in in_venv:
+                resolved[needed] = in_venv[needed]
+            elif needed in in_system:
+                resolved[needed] = "system"
+            elif needed in DRIVER_LIBS:
+                resolved[needed] = "GPU driver (host, at run time)"
+            else:
+                resolved[needed] = None
+                report.problems.append(
+                    f"{ext.name} needs {needed}, found neither in the venv nor the system: "
+                    "install the package that ships it (e.g. nvidia-nvshmem-cu13, nvidia-nccl-cu13)"
+                )
+        report.extensions[ext.name] = resolved
+
+
+def check(venv: Path, backend: str) -> Report:
+    """Inspect one venv for one backend without importing anything from it."""
+    report = Report(venv=str(venv), backend=backend)
+    site = find_site_packages(venv)
+    report.site_packages = str(site)
+    dists = installed_distributions(site)
+    present = {d: dists[d] for d in ALL_DEEP_EP_DISTS if d in dists}
+    report.distributions = present
+    expected = [d for d in BACKEND_DISTS[backend] if d in present]
+    if not expected:
+        report.problems.append(
+            f"no distribution of {backend} ({' or '.join(BACKEND_DISTS[backend])}) installed: "
+            f"sync with `uv sync --extra {backend}`"
+        )
+    if len(present) > 1:
+        report.problems.append(
+            f"several distributions ship deep_ep ({', '.join(present)}): they overwrite each "
+            "other; make one venv per backend"
+        )
+    marker = site / BACKEND_MARKERS[backend]
+    report.marker = str(marker)
+    if not marker.is_file():
+        report.problems.append(
+            f"{BACKEND_MARKERS[backend]} missing: deep_ep here is not {backend}'s layout"
+        )
+    resolve_extensions(site, report)
+    report.status = "problems found" if report.problems else "installed, not yet proven to work"
+    return report
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(payload, handle, indent=2)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
+def print_report(report: Report) -> None:
+    print(f"{report.backend} in {report.venv}: {report.status}")
+    for dist, version in report.distributions.items():
+        print(f"  dist      {dist}=={version}")
+    for ext, libs in report.extensions.items():
+        for lib, where in libs.items():
+            print(f"  {ext:<40} {lib:<28} {where or 'NOT FOUND'}")
+    for problem in report.problems:
+        print(f"  PROBLEM   {problem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--venv", type=Path, required=True, help="the venv to inspect")
+    parser.add_argument("--backend", required=True, help=f"one of {', '.join(BACKEND_DISTS)}")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    if args.backend not in BACKEND_DISTS:
+        print(
+            f"error: unknown backend {args.backend!r}; valid: {', '.join(BACKEND_DISTS)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        report = check(args.venv, args.backend)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print_report(report)
+    if args.json:
+        write_json_atomic(args.json, asdict(report))
+    return EXIT_PROBLEM if report.problems else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

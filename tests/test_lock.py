@@ -1,0 +1,144 @@
+"""The uv project's promises, checked with the real uv against the committed lock.
+
+- the lock is current and covers Python 3.11 (build hosts) and 3.12 (CUDA base images);
+- exactly the three backends conflict, and `moe` (which holds deepep_v2) excludes the other two;
+- each extra resolves to its own backend and never another's;
+- asking for two backends at once fails with uv's conflict error, before anything is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("deepep_v1", "deepep_v2", "hybridep")
+# The distribution that provides `deep_ep` for each backend (README's backend table).
+BACKEND_DIST = {"deepep_v1": "tokenspeed-deepep", "deepep_v2": "sgl-deep-ep", "hybridep": "deep-ep"}
+
+
+def uv(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["uv", *args], cwd=ROOT, capture_output=True, text=True, check=check, timeout=600
+    )
+
+
+def exported_packages(*extras: str, python: str | None = None) -> set[str]:
+    """Package names `uv export` would install for these extras, read from the lock alone."""
+    args = ["export", "--frozen", "--no-hashes", "--no-header", "--no-annotate"]
+    for extra in extras:
+        args += ["--extra", extra]
+    if python:
+        args += ["--python", python]
+    out = uv(*args).stdout
+    names = set()
+    for line in out.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        names.add(re.split(r"[=@ ;\[]", line, maxsplit=1)[0].strip().lower())
+    return names
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.fixture(scope="module")
+def lock() -> dict:
+    return tomllib.loads((ROOT / "uv.lock").read_text())
+
+
+def test_lock_is_current() -> None:
+    result = uv("lock", "--check", check=False)
+    assert result.returncode == 0, f"uv.lock is stale; run `uv lock`:\n{result.stderr}"
+
+
+def test_conflict_set_is_exactly_the_three_backends(pyproject: dict, lock: dict) -> None:
+    declared = pyproject["tool"]["uv"]["conflicts"]
+    assert {item["extra"] for item in declared[0]} == set(BACKENDS)
+    # moe holds deepep_v2, so it must exclude exactly the other two.
+    moe_sets = [{i["extra"] for i in s} for s in declared[1:]]
+    assert sorted(map(sorted, moe_sets)) == [["deepep_v1", "moe"], ["hybridep", "moe"]]
+    locked = [{i["extra"] for i in s} for s in lock["conflicts"]]
+    assert locked[0] == {"deepep-v1", "deepep-v2", "hybridep"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_extra_holds_its_backend_and_no_other(backend: str) -> None:
+    packages = exported_packages(backend)
+    assert BACKEND_DIST[backend] in packages
+    others = {BACKEND_DIST[b] for b in BACKENDS if b != backend} - {BACKEND_DIST[backend]}
+    assert not packages & others, f"{backend} also pulls {packages & others}"
+    assert "torch" in packages
+
+
+def test_moe_is_deepep_v2_plus_training_stack() -> None:
+    packages = exported_packages("moe")
+    assert {"sgl-deep-ep", "torch", "transformer-engine", "nvidia-cudnn-cu13"} <= packages
+    assert {"nvidia-nvshmem-cu13", "nvidia-nccl-cu13", "nvidia-cudnn-frontend"} <= packages
+    assert not packages & {"tokenspeed-deepep", "deep-ep"}
+
+
+def test_source_built_packages_are_pinned_to_full_commits(lock: dict) -> None:
+    sources = {p["name"]: p["source"] for p in lock["package"] if "git" in p["source"]}
+    assert set(sources) == {"deep-ep", "transformer-engine"}
+    for name, source in sources.items():
+        commit = source["git"].rsplit("#", 1)[-1]
+        assert re.fullmatch(r"[0-9a-f]{40}", commit), f"{name} is not pinned to a commit: {source}"
+
+
+@pytest.mark.parametrize("python", ["3.11", "3.12"])
+@pytest.mark.parametrize("backend", ["deepep_v1", "deepep_v2"])
+def test_lock_has_wheels_for_both_pythons(lock: dict, backend: str, python: str) -> None:
+    """A registry backend must have a wheel for the build host's and the image's Python."""
+    tag = "cp" + python.replace(".", "")
+    dist = BACKEND_DIST[backend]
+    package = next(p for p in lock["package"] if p["name"] == dist)
+    wheels = [w["url"].rsplit("/", 1)[-1] for w in package.get("wheels", [])]
+    assert any(f"-{tag}-" in w and "x86_64" in w for w in wheels), (
+        f"no {tag} wheel of {dist}: {wheels}"
+    )
+    torch = next(p for p in lock["package"] if p["name"] == "torch")
+    assert any(f"-{tag}-" in w["url"] and "x86_64" in w["url"] for w in torch["wheels"])
+
+
+def test_python_312_resolution_matches_311() -> None:
+    """The same pins for the image's Python as for the build host's."""
+    assert exported_packages("moe", python="3.12") == exported_packages("moe", python="3.11")
+
+
+@pytest.mark.parametrize(
+    ("extras", "named"),
+    [
+        (("deepep_v1", "hybridep"), ("deepep-v1", "hybridep")),
+        (("deepep_v1", "deepep_v2"), ("deepep-v1", "deepep-v2")),
+        (("moe", "hybridep"), ("hybridep", "moe")),
+        (("moe", "deepep_v1"), ("deepep-v1", "moe")),
+    ],
+)
+def test_two_backends_fail_with_the_conflict_error(
+    extras: tuple[str, ...], named: tuple[str, ...], tmp_path: Path
+) -> None:
+    args = ["sync", "--frozen", "--dry-run"]
+    for extra in extras:
+        args += ["--extra", extra]
+    result = subprocess.run(
+        ["uv", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv")},
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "incompatible with the declared conflicts" in result.stderr
+    for name in named:
+        assert f"`{name}`" in result.stderr
+    assert not (tmp_path / "venv").exists(), "a conflicting sync must not create anything"
