@@ -1,0 +1,480 @@
+"""Create one EP backend's venv under a prefix, from the committed uv.lock, atomically.
+
+Why: the three EP backends ship the same module ``deep_ep`` and cannot share a venv, so an
+image or a host prefix holds one venv per backend (``<prefix>/<backend>``). Each must be built
+from the lock alone (``uv sync --frozen``: no re-resolution, the same pins in CI, the image and
+on a cluster) and must never be seen half-built by ``use-ep`` or a probe.
+
+How:
+- ``uv venv --relocatable <prefix>/.<backend>.tmp-XXXX`` then ``UV_PROJECT_ENVIRONMENT=<that>
+  uv sync --frozen --no-install-project --extra <backend> --no-install-package
+  transformer-engine``. The project is virtual (``[tool.uv] package = false``), so
+  ``--no-install-project`` changes nothing today; it is there so that flipping that setting can
+  never drop the repository itself into a backend venv.
+- Transformer Engine is built once by scripts/build_te.py and installed into every backend's
+  venv from that wheel with ``uv pip install --no-deps``; it is never rebuilt per backend.
+- The venv is built under a temporary name and renamed into place only when complete, with
+  ``ep-backend.json`` (backend, extra, lock hash, what was installed) written before the
+  rename. A failed or interrupted build leaves no ``<prefix>/<backend>``; a rebuild replaces an
+  existing one only once the new one is complete. This works because uv's relocatable venvs
+  embed no absolute path of their own: entry points find their interpreter relative to
+  themselves and the activate scripts compute the venv's location. Before the rename the
+  script checks that no file in ``bin/`` names the temporary directory.
+
+HybridEP is a git source (github.com/deepseek-ai/DeepEP). Where the clone fails, the error says
+so and names the two fixes: network to GitHub, or a mirror through git's
+``url.<mirror>.insteadOf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ep_backends  # noqa: E402  (sibling module; scripts/ is not a package)
+
+INFO_FILE = "ep-backend.json"
+TE_DISTRIBUTION = "transformer-engine"
+EXIT_BUILD_FAILED = 1
+EXIT_USAGE = 2
+_GIT_FAILURE_SIGNS = ("git operation failed", "failed to clone", "failed to fetch commit")
+
+
+class BuildError(RuntimeError):
+    """The venv could not be built; the message says why and what fixes it."""
+
+
+@dataclass
+class Options:
+    """What to build, as parsed from the command line."""
+
+    backends: list[str]
+    prefix: Path
+    project: Path
+    te_wheels: list[Path] = field(default_factory=list)
+    python: str | None = None
+    no_install_packages: list[str] = field(default_factory=list)
+    dedup: bool = False
+    keep_going: bool = False
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def uv_executable() -> str:
+    """Path of uv, or a BuildError naming how to get it."""
+    uv = shutil.which("uv")
+    if not uv:
+        raise BuildError("uv not found on PATH: install it (`pip install uv`) or add it to PATH")
+    return uv
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+    """Run ``cmd``, echo its output, return its stderr; BuildError carries stderr on failure."""
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False)
+    if proc.stdout:
+        sys.stdout.write(proc.stdout)
+    if proc.stderr:
+        sys.stderr.write(proc.stderr)
+    sys.stdout.flush()
+    if proc.returncode != 0:
+        raise BuildError(proc.stderr or f"{cmd[0]} exited with {proc.returncode}")
+    return proc.stderr
+
+
+def git_fix_message(backend: ep_backends.Backend, uv_error: str) -> str:
+    """The error for a git source that could not be cloned, naming both fixes."""
+    return (
+        f"{backend.name}: uv could not clone the git source of {backend.distribution} "
+        f"({backend.source_label}), pinned in pyproject.toml [tool.uv.sources]. "
+        "This machine cannot reach GitHub. Fix: give the build network access to github.com, "
+        "or point git at a mirror that holds that commit (and its submodules), e.g. "
+        f"`git config --global url.<mirror-url>.insteadOf {backend.git}` "
+        "(in a container build, pass the git config in as a secret or bind mount). "
+        f"uv said:\n{uv_error.strip()}"
+    )
+
+
+def looks_like_git_failure(uv_error: str) -> bool:
+    lowered = uv_error.lower()
+    return any(sign in lowered for sign in _GIT_FAILURE_SIGNS)
+
+
+def site_packages(venv: Path) -> Path:
+    """The venv's site-packages (lib/pythonX.Y/site-packages)."""
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    if not found:
+        raise BuildError(f"{venv}: no lib/python3*/site-packages; uv venv did not finish")
+    return found[0]
+
+
+def installed_distributions(uv: str, venv: Path) -> list[dict[str, str]]:
+    """``[{name, version}]`` of everything in the venv, as uv lists it."""
+    proc = subprocess.run(
+        [uv, "pip", "list", "--python", str(venv / "bin" / "python"), "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sorted(
+        ({"name": d["name"], "version": d["version"]} for d in json.loads(proc.stdout)),
+        key=lambda d: ep_backends.normalize(d["name"]),
+    )
+
+
+def pip_check(uv: str, venv: Path) -> dict[str, object]:
+    """``uv pip check``: records missing requirements (e.g. TE's, installed with --no-deps)."""
+    proc = subprocess.run(
+        [uv, "pip", "check", "--python", str(venv / "bin" / "python")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    output = "\n".join(line for line in lines if not line.startswith("Using Python"))
+    if proc.returncode != 0:
+        print(f"make_venv: warning: uv pip check reports problems:\n{output}", file=sys.stderr)
+    return {"ok": proc.returncode == 0, "output": output}
+
+
+# --------------------------------------------------------------------------- one venv
+
+
+def stale_temp_dirs(prefix: Path, backend: str) -> list[Path]:
+    """Temporary build dirs an interrupted run of this backend left in the prefix."""
+    return sorted(p for p in prefix.glob(f".{backend}.tmp-*") if p.is_dir())
+
+
+def new_temp_dir(prefix: Path, backend: str) -> Path:
+    """A fresh name ``<prefix>/.<backend>.tmp-XXXX`` that uv venv will create."""
+    path = Path(tempfile.mkdtemp(prefix=f".{backend}.tmp-", dir=prefix))
+    path.rmdir()
+    return path
+
+
+def create_venv(uv: str, venv: Path, python: str | None, project: Path) -> None:
+    cmd = [uv, "venv", "--relocatable"]
+    if python:
+        cmd += ["--python", python]
+    run([*cmd, str(venv)], cwd=project)
+
+
+def sync_backend(
+    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str]
+) -> None:
+    """``uv sync --frozen`` of the backend's extra into ``venv``."""
+    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
+    cmd = [
+        uv,
+        "sync",
+        "--frozen",
+        "--no-install-project",
+        "--project",
+        str(project),
+        "--extra",
+        backend.extra,
+    ]
+    for package in [TE_DISTRIBUTION, *skip]:
+        cmd += ["--no-install-package", package]
+    try:
+        run(cmd, env=env, cwd=project)
+    except BuildError as exc:
+        if backend.git and looks_like_git_failure(str(exc)):
+            raise BuildError(git_fix_message(backend, str(exc))) from None
+        raise BuildError(f"{backend.name}: uv sync failed:\n{exc}") from None
+
+
+def install_te(uv: str, venv: Path, wheels: list[Path]) -> None:
+    """The Transformer Engine wheel(s) built once by build_te.py, without re-resolving."""
+    if wheels:
+        python = str(venv / "bin" / "python")
+        run([uv, "pip", "install", "--python", python, "--no-deps", *map(str, wheels)])
+
+
+def verify_backend(
+    venv: Path, backend: ep_backends.Backend, installed: list[dict[str, str]]
+) -> bool:
+    """Check the backend's deep_ep landed and no other backend's did; True if installed."""
+    names = {ep_backends.normalize(d["name"]) for d in installed}
+    others = [
+        d
+        for d in ep_backends.other_distributions(backend.name)
+        if ep_backends.normalize(d) in names
+    ]
+    if others:
+        raise BuildError(f"{backend.name}: other backends' distributions installed: {others}")
+    if ep_backends.normalize(backend.distribution) not in names:
+        return False
+    marker = site_packages(venv) / backend.marker_file
+    if not marker.is_file():
+        raise BuildError(
+            f"{backend.name}: {backend.distribution} is installed but {marker} is missing: "
+            "its deep_ep is not the layout this backend expects (check the pin in pyproject.toml)"
+        )
+    return True
+
+
+def assert_relocated(venv: Path, temp_name: str) -> None:
+    """No script in bin/ may name the temporary directory (it is about to be renamed)."""
+    offenders = []
+    for path in [*(venv / "bin").iterdir(), venv / "pyvenv.cfg"]:
+        if path.is_file() and not path.is_symlink() and path.stat().st_size < (1 << 20):
+            if temp_name.encode() in path.read_bytes():
+                offenders.append(path.name)
+    if offenders:
+        raise BuildError(
+            f"files in the venv embed its temporary path {temp_name}: {offenders}; "
+            "this uv does not honour relocatable venvs for them (upgrade uv)"
+        )
+
+
+def uv_version(uv: str) -> str:
+    return subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def python_version(venv: Path) -> str:
+    cfg = (venv / "pyvenv.cfg").read_text()
+    for line in cfg.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() in ("version_info", "version"):
+            return value.strip()
+    return "unknown"
+
+
+def build_info(
+    uv: str,
+    venv: Path,
+    backend: ep_backends.Backend,
+    opts: Options,
+    installed: list[dict[str, str]],
+    backend_installed: bool,
+) -> dict[str, object]:
+    """The content of ep-backend.json."""
+    return {
+        "backend": backend.name,
+        "extra": backend.extra,
+        "module": ep_backends.MODULE,
+        "distribution": backend.distribution,
+        "requirement": backend.requirement,
+        "source": backend.source_label,
+        "backend_installed": backend_installed,
+        "marker_file": backend.marker_file,
+        "lock_sha256": sha256_file(opts.project / "uv.lock"),
+        "pyproject_sha256": sha256_file(opts.project / "pyproject.toml"),
+        "python": python_version(venv),
+        "uv": uv_version(uv),
+        "skipped_packages": [TE_DISTRIBUTION, *opts.no_install_packages],
+        "te_wheels": [{"file": w.name, "sha256": sha256_file(w)} for w in opts.te_wheels],
+        "installed": installed,
+        "pip_check": pip_check(uv, venv),
+        "relocatable": True,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "created_by": "scripts/make_venv.py",
+    }
+
+
+def move_into_place(temp: Path, final: Path) -> None:
+    """Rename the finished venv to its final name, replacing an older one only now."""
+    if not final.exists():
+        os.rename(temp, final)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+    old.rmdir()
+    os.rename(final, old)
+    os.rename(temp, final)
+    shutil.rmtree(old)
+
+
+def build_one(uv: str, name: str, opts: Options) -> Path:
+    """Build ``<prefix>/<name>``; on any failure nothing is left under the prefix."""
+    backend = ep_backends.get_backend(name, opts.project)
+    for stale in stale_temp_dirs(opts.prefix, name):
+        print(f"make_venv: removing {stale} left by an interrupted build", flush=True)
+        shutil.rmtree(stale)
+    temp = new_temp_dir(opts.prefix, name)
+    try:
+        create_venv(uv, temp, opts.python, opts.project)
+        sync_backend(uv, temp, backend, opts.project, opts.no_install_packages)
+        install_te(uv, temp, opts.te_wheels)
+        installed = installed_distributions(uv, temp)
+        present = verify_backend(temp, backend, installed)
+        assert_relocated(temp, temp.name)
+        info = build_info(uv, temp, backend, opts, installed, present)
+        (temp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        final = opts.prefix / name
+        move_into_place(temp, final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    print_summary(final, info)
+    return final
+
+
+def print_summary(venv: Path, info: dict) -> None:
+    versions = {ep_backends.normalize(d["name"]): d["version"] for d in info["installed"]}
+    dist = ep_backends.normalize(info["distribution"])
+    print(f"make_venv: {venv}: backend {info['backend']} (extra {info['extra']})")
+    print(f"make_venv:   {info['distribution']} {versions.get(dist, 'NOT INSTALLED')}")
+    print(f"make_venv:   torch {versions.get('torch', 'not installed')}")
+    te = versions.get(TE_DISTRIBUTION) or versions.get("transformer-engine-torch")
+    print(f"make_venv:   transformer-engine {te or 'not installed (no --te-wheel)'}")
+    print(f"make_venv:   {len(info['installed'])} distributions, lock {info['lock_sha256'][:12]}")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def check_inputs(opts: Options) -> None:
+    """Fail before building anything if an input is missing."""
+    for name in ("pyproject.toml", "uv.lock"):
+        if not (opts.project / name).is_file():
+            raise BuildError(
+                f"{opts.project / name} not found: --project must be the directory that holds "
+                "pyproject.toml and the committed uv.lock"
+            )
+    for wheel in opts.te_wheels:
+        if not wheel.is_file():
+            raise BuildError(
+                f"--te-wheel {wheel} not found: build it first with scripts/build_te.py"
+            )
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="make_venv.py",
+        description=(
+            "Create <prefix>/<backend>, a venv holding one EP backend, from the committed "
+            "uv.lock (uv sync --frozen --extra <backend>), plus Transformer Engine from a wheel "
+            "built once by scripts/build_te.py. The venv is built under a temporary name and "
+            "renamed into place when complete, with <venv>/ep-backend.json saying what it holds."
+        ),
+        epilog=(
+            f"Backends: {ep_backends.valid_names_text()}. Exit codes: 0 built; 1 the build "
+            "failed (nothing left behind); 2 bad usage (e.g. an unknown backend). Example: "
+            "python scripts/make_venv.py --backend deepep_v2 --prefix /opt/venvs "
+            "--te-wheel /wheels/transformer_engine-2.17.0-cp312-cp312-linux_x86_64.whl"
+        ),
+    )
+    parser.add_argument(
+        "--backend",
+        required=True,
+        action="append",
+        metavar="NAME",
+        help=(
+            "the backend to build: "
+            f"{ep_backends.valid_names_text()}; host mode also takes 'all', a comma list "
+            "or the flag repeated, and builds each in turn"
+        ),
+    )
+    parser.add_argument(
+        "--prefix", required=True, type=Path, help="directory that holds the backend venvs"
+    )
+    parser.add_argument(
+        "--project",
+        type=Path,
+        default=ep_backends.DEFAULT_PROJECT,
+        help="directory with pyproject.toml and uv.lock (default: this repository)",
+    )
+    parser.add_argument(
+        "--te-wheel",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="Transformer Engine wheel from build_te.py, installed with --no-deps (repeatable)",
+    )
+    parser.add_argument("--python", help="interpreter for the venv (passed to uv venv --python)")
+    parser.add_argument(
+        "--no-install-package",
+        action="append",
+        default=[],
+        metavar="PKG",
+        help=(
+            "also skip this package (repeatable). For footprint estimates only, e.g. hybridep "
+            "without its git-built deep-ep; ep-backend.json then says backend_installed=false"
+        ),
+    )
+    parser.add_argument(
+        "--dedup",
+        action="store_true",
+        help="after building, hardlink identical files across every venv in the prefix",
+    )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="with several backends, build the others when one fails (exit 1 at the end)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        backends = ep_backends.expand_backends(args.backend)
+    except ep_backends.UnknownBackendError as exc:
+        parser.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
+    return Options(
+        backends=backends,
+        prefix=args.prefix.resolve(),
+        project=args.project.resolve(),
+        te_wheels=[w.resolve() for w in args.te_wheel],
+        python=args.python,
+        no_install_packages=args.no_install_package,
+        dedup=args.dedup,
+        keep_going=args.keep_going,
+    )
+
+
+def run_dedup(prefix: Path) -> None:
+    """Host mode: link identical files across every finished venv under the prefix."""
+    import dedup  # sibling module, imported only when asked for
+
+    venvs = sorted(p for p in prefix.iterdir() if (p / INFO_FILE).is_file() and not p.is_symlink())
+    if len(venvs) < 2:
+        print(f"make_venv: --dedup: {len(venvs)} venv(s) under {prefix}, nothing to share")
+        return
+    dedup.print_report(dedup.dedup(venvs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    failed: list[str] = []
+    try:
+        check_inputs(opts)
+        uv = uv_executable()
+        opts.prefix.mkdir(parents=True, exist_ok=True)
+        for name in opts.backends:
+            try:
+                build_one(uv, name, opts)
+            except BuildError as exc:
+                print(f"make_venv: error: {exc}", file=sys.stderr)
+                failed.append(name)
+                if not opts.keep_going:
+                    break
+        if opts.dedup:
+            run_dedup(opts.prefix)
+    except BuildError as exc:
+        print(f"make_venv: error: {exc}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
+    if failed:
+        print(f"make_venv: failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
