@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ep_backends  # noqa: E402  (sibling module; scripts/ is not a package)
+import ep_backends  # sibling module: scripts/ is not a package
 
 INFO_FILE = "ep-backend.json"
 TE_DISTRIBUTION = "transformer-engine"
@@ -236,9 +236,9 @@ def assert_relocated(venv: Path, temp_name: str) -> None:
     """No script in bin/ may name the temporary directory (it is about to be renamed)."""
     offenders = []
     for path in [*(venv / "bin").iterdir(), venv / "pyvenv.cfg"]:
-        if path.is_file() and not path.is_symlink() and path.stat().st_size < (1 << 20):
-            if temp_name.encode() in path.read_bytes():
-                offenders.append(path.name)
+        small_file = path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 20
+        if small_file and temp_name.encode() in path.read_bytes():
+            offenders.append(path.name)
     if offenders:
         raise BuildError(
             f"files in the venv embed its temporary path {temp_name}: {offenders}; "
