@@ -1,0 +1,356 @@
+"""Offline checks of the GitHub workflows under .github/, with real tools and the real tree.
+
+Why this file exists: the workflows only run on GitHub (and the GPU part only on a
+self-hosted runner), so a typo, a renamed script or a forgotten backend would otherwise show
+up after a push, hours into an image build. What can be checked here is checked on every run:
+
+- every workflow validates against the GitHub workflow schema that check-jsonschema vendors
+  (works offline), and dependabot.yml against the Dependabot schema;
+- every repository path that a `run:` step (or a script such a step calls, or a build's
+  `file:`/`context:`) refers to exists, so a renamed script breaks this test, not CI;
+- every `uses:` is pinned to a full commit SHA with its version tag in a comment, one SHA per
+  action across all files;
+- the EP matrix of the image build, and the backends the GPU workflow offers, equal the
+  backends in pyproject.toml's first `[tool.uv] conflicts` set plus `all`, read with tomllib,
+  so a new backend cannot be forgotten;
+- the security shape: least-privilege tokens, `packages: write` only on main, registry
+  credentials only from secrets, timeouts and concurrency groups everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+GITHUB = ROOT / ".github"
+WORKFLOW_DIR = GITHUB / "workflows"
+WORKFLOWS: list[Path] = sorted([*WORKFLOW_DIR.glob("*.yml"), *WORKFLOW_DIR.glob("*.yaml")])
+
+#: The workflows docs/ci.md describes; each must exist.
+EXPECTED_WORKFLOWS = ("ci.yml", "image.yml", "image-build.yml", "gpu-probes.yml")
+
+#: Top-level directories (and files) of this repository that run steps may refer to.
+_REPO_PATH = re.compile(
+    r"(?<![\w./$-])((?:\.ci|\.github|docker|probes|scripts|tests)/[\w./*-]*[\w*])"
+)
+#: A `uses:` line: the reference, then an optional `# comment`.
+_USES_LINE = re.compile(r"^\s*(?:-\s+)?uses:\s*['\"]?([^\s'\"#]+)['\"]?\s*(?:#\s*(\S+))?")
+_FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
+_VERSION_TAG = re.compile(r"^v\d+(\.\d+)*$")
+_SECRET_EXPR = re.compile(r"^\$\{\{\s*secrets\.\w+(\s*\|\|\s*(secrets\.\w+|github\.actor))?\s*}}$")
+
+
+def load_workflow(path: Path) -> dict[str, Any]:
+    """Parse a workflow; YAML 1.1 (PyYAML) reads the key `on` as True, so put it back."""
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict), f"{path} is not a YAML mapping"
+    if True in data:
+        data["on"] = data.pop(True)
+    return data
+
+
+def triggers(workflow: dict[str, Any]) -> dict[str, Any]:
+    """The `on:` section as a mapping (it may also be written as a string or a list)."""
+    on = workflow.get("on") or {}
+    if isinstance(on, str):
+        return {on: None}
+    if isinstance(on, list):
+        return dict.fromkeys(on)
+    return on
+
+
+def jobs(workflow: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield from (workflow.get("jobs") or {}).items()
+
+
+def steps(workflow: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for job_id, job in jobs(workflow):
+        for step in job.get("steps") or []:
+            yield job_id, step
+
+
+def pyproject_backends() -> list[str]:
+    """The EP backends: the extras of the first `[tool.uv] conflicts` set, in file order."""
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        conflicts = tomllib.load(fh)["tool"]["uv"]["conflicts"]
+    return [entry["extra"] for entry in conflicts[0]]
+
+
+def expected_eps() -> list[str]:
+    return [*pyproject_backends(), "all"]
+
+
+def _repo_paths(text: str) -> set[str]:
+    return {match.rstrip(".") for match in _REPO_PATH.findall(text)}
+
+
+def referenced_paths() -> list[tuple[str, str]]:
+    """(where, path) for every repository path the workflows make a runner touch.
+
+    Sources: each `run:` script, each script under .github/ that a run step calls (its own
+    references count too), a step's `with: file/context`, and local `uses: ./...`.
+    """
+    found: set[tuple[str, str]] = set()
+    for wf_path in WORKFLOWS:
+        wf = load_workflow(wf_path)
+        for job_id, job in jobs(wf):
+            if isinstance(job.get("uses"), str) and job["uses"].startswith("./"):
+                found.add((f"{wf_path.name}:{job_id}", job["uses"][2:]))
+        for job_id, step in steps(wf):
+            where = f"{wf_path.name}:{job_id}"
+            run = step.get("run")
+            if isinstance(run, str):
+                found.update((where, p) for p in _repo_paths(run))
+            with_ = step.get("with") or {}
+            for key in ("file", "context"):
+                value = with_.get(key)
+                if isinstance(value, str) and "${{" not in value and value not in (".", "./"):
+                    found.add((where, value.removeprefix("./")))
+            uses = step.get("uses")
+            if isinstance(uses, str) and uses.startswith("./"):
+                found.add((where, uses[2:]))
+    # Scripts of our own that run steps call: what they refer to must exist as well.
+    for where, path in sorted(found):
+        script = ROOT / path
+        if path.startswith(".github/") and script.is_file() and script.suffix == ".sh":
+            refs = _repo_paths(script.read_text()) - {path}
+            found.update((f"{where} via {path}", p) for p in refs)
+    return sorted(found)
+
+
+def _exists(path: str) -> bool:
+    if "*" in path:
+        return any(ROOT.glob(path))
+    return (ROOT / path).exists()
+
+
+def test_expected_workflows_exist() -> None:
+    names = {p.name for p in WORKFLOWS}
+    missing = [name for name in EXPECTED_WORKFLOWS if name not in names]
+    assert not missing, f"missing workflows in .github/workflows: {missing}"
+
+
+def test_workflows_match_the_github_workflow_schema() -> None:
+    """check-jsonschema's vendored schema: the same check GitHub applies on push, offline."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.github-workflows",
+            *map(str, WORKFLOWS),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dependabot_config_matches_its_schema() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.dependabot",
+            str(GITHUB / "dependabot.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_path_scan_sees_the_commands_that_matter() -> None:
+    """Guards the scanner itself: these references are known to be in the workflows."""
+    paths = {path for _, path in referenced_paths()}
+    for must in (
+        ".ci/run",
+        "docker/Dockerfile",
+        "probes/check_env.py",
+        "probes/check_ep.py",
+        "probes/check_te.py",
+        "scripts/ep_backends.py",
+        "docker/ep-entrypoint",
+        ".github/scripts/in-image.sh",
+        ".github/workflows/image-build.yml",
+    ):
+        assert must in paths, f"{must} is no longer referenced (or the scan broke): {paths}"
+
+
+@pytest.mark.parametrize(("where", "path"), referenced_paths())
+def test_referenced_repo_path_exists(where: str, path: str) -> None:
+    assert _exists(path), f"{where} runs or reads {path}, which is not in the repository"
+
+
+def test_every_uses_is_pinned_to_a_commit_sha() -> None:
+    """`owner/repo@<40-hex SHA> # vX.Y.Z`: a tag can be moved, a commit cannot.
+
+    The comment carries the version for humans and for Dependabot, which updates both.
+    One action, one SHA across all workflows, so a bump is never half done.
+    """
+    shas: dict[str, set[str]] = {}
+    problems: list[str] = []
+    parsed_uses: set[str] = set()
+    for wf_path in WORKFLOWS:
+        wf = load_workflow(wf_path)
+        parsed_uses.update(j["uses"] for _, j in jobs(wf) if isinstance(j.get("uses"), str))
+        parsed_uses.update(s["uses"] for _, s in steps(wf) if isinstance(s.get("uses"), str))
+        for lineno, line in enumerate(wf_path.read_text().splitlines(), 1):
+            match = _USES_LINE.match(line)
+            if not match:
+                continue
+            ref, comment = match.groups()
+            parsed_uses.discard(ref)
+            where = f"{wf_path.name}:{lineno}: {ref}"
+            if ref.startswith("./"):
+                continue  # this repository at the same commit
+            if ref.startswith("docker://"):
+                if "@sha256:" not in ref:
+                    problems.append(f"{where}: docker image without a digest")
+                continue
+            action, _, sha = ref.partition("@")
+            if not _FULL_SHA.match(sha):
+                problems.append(f"{where}: pin to a full commit SHA, not {sha or 'nothing'!r}")
+            if not (comment and _VERSION_TAG.match(comment)):
+                problems.append(f"{where}: add the version tag as a comment (# vX.Y.Z)")
+            shas.setdefault(action, set()).add(sha)
+    problems += [f"{a}: several SHAs {sorted(s)}" for a, s in shas.items() if len(s) > 1]
+    # Every `uses` the YAML parser sees must have been checked line by line above.
+    problems += [f"`uses: {u}` written in a form this check cannot read" for u in parsed_uses]
+    assert not problems, "\n".join(problems)
+
+
+def test_ep_matrix_equals_pyproject_backends_plus_all() -> None:
+    eps = expected_eps()
+    seen = 0
+    for wf_path in WORKFLOWS:
+        for job_id, job in jobs(load_workflow(wf_path)):
+            matrix = (job.get("strategy") or {}).get("matrix") or {}
+            if "ep" in matrix:
+                seen += 1
+                assert matrix["ep"] == eps, (
+                    f"{wf_path.name}:{job_id} builds {matrix['ep']}, but pyproject.toml's "
+                    f"backends plus 'all' are {eps}: add the backend to the matrix"
+                )
+    assert seen, "no job has an `ep` matrix: image-build.yml should build one image per backend"
+
+
+def test_image_builds_pass_the_matrix_backend_as_build_arg() -> None:
+    """Each full image build gets EP=<matrix.ep>; the te-only build is backend-independent."""
+    builds = 0
+    for wf_path in WORKFLOWS:
+        for job_id, step in steps(load_workflow(wf_path)):
+            if not str(step.get("uses", "")).startswith("docker/build-push-action@"):
+                continue
+            with_ = step.get("with") or {}
+            if with_.get("target") == "te":
+                assert "EP=" not in str(with_.get("build-args", "")), f"{wf_path.name}:{job_id}"
+                continue
+            builds += 1
+            assert "EP=${{ matrix.ep }}" in str(with_.get("build-args", "")), (
+                f"{wf_path.name}:{job_id} step {step.get('name')!r} does not pass EP"
+            )
+    assert builds, "no docker/build-push-action step builds the image"
+
+
+def test_gpu_probe_choices_equal_the_backends() -> None:
+    wf = load_workflow(WORKFLOW_DIR / "gpu-probes.yml")
+    options = triggers(wf)["workflow_dispatch"]["inputs"]["ep"]["options"]
+    assert sorted(options) == sorted(expected_eps())
+
+
+def test_ep_backends_names_cli_matches_pyproject() -> None:
+    """gpu-probes.yml expands `all` with `scripts/ep_backends.py --names`: same list, same order."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ep_backends.py"), "--names"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.split() == pyproject_backends()
+
+
+def test_gpu_probes_follow_the_image_workflow() -> None:
+    """workflow_run matches a workflow's `name:`; a rename would silently stop the GPU probes."""
+    names = {load_workflow(p).get("name") for p in WORKFLOWS}
+    run = triggers(load_workflow(WORKFLOW_DIR / "gpu-probes.yml"))["workflow_run"]
+    assert run["workflows"] and set(run["workflows"]) <= names, (run["workflows"], names)
+    assert run["branches"] == ["main"]
+
+
+def test_gpu_jobs_run_on_the_documented_labels() -> None:
+    wf = load_workflow(WORKFLOW_DIR / "gpu-probes.yml")
+    gpu_jobs = [j for _, j in jobs(wf) if "gpu" in (j.get("runs-on") or [])]
+    assert gpu_jobs, "no job asks for the self-hosted GPU runner"
+    for job in gpu_jobs:
+        assert job["runs-on"] == ["self-hosted", "linux", "x64", "gpu"]
+    labels = yaml.safe_load((GITHUB / "actionlint.yaml").read_text())["self-hosted-runner"]
+    assert labels["labels"] == ["gpu"]
+
+
+def test_permissions_are_minimal() -> None:
+    """Read-only by default; `packages: write` only in a job that runs on main, never on PRs."""
+    for wf_path in WORKFLOWS:
+        wf = load_workflow(wf_path)
+        reusable = "workflow_call" in triggers(wf)
+        if not reusable:
+            assert "permissions" in wf, f"{wf_path.name}: set top-level `permissions:`"
+        top = wf.get("permissions") or {}
+        assert "write" not in top.values(), f"{wf_path.name}: no write permission at top level"
+        for job_id, job in jobs(wf):
+            perms = job.get("permissions") or {}
+            writes = sorted(k for k, v in perms.items() if v == "write")
+            if not writes:
+                continue
+            assert writes == ["packages"], f"{wf_path.name}:{job_id} writes {writes}"
+            condition = str(job.get("if", ""))
+            assert "refs/heads/main" in condition, f"{wf_path.name}:{job_id}: main only"
+            assert "github.event_name != 'pull_request'" in condition, f"{wf_path.name}:{job_id}"
+
+
+def test_registry_credentials_come_from_secrets() -> None:
+    """No credential is ever written into a file: login steps read secrets only."""
+    logins = 0
+    for wf_path in WORKFLOWS:
+        for job_id, step in steps(load_workflow(wf_path)):
+            if not str(step.get("uses", "")).startswith("docker/login-action@"):
+                continue
+            logins += 1
+            password = str((step.get("with") or {}).get("password", ""))
+            assert _SECRET_EXPR.match(password), f"{wf_path.name}:{job_id}: {password!r}"
+    assert logins, "no registry login step (image push and GPU pull both need one)"
+
+
+def test_jobs_have_timeouts_and_workflows_have_concurrency() -> None:
+    for wf_path in WORKFLOWS:
+        wf = load_workflow(wf_path)
+        if "workflow_call" not in triggers(wf):
+            assert "concurrency" in wf, f"{wf_path.name}: add a `concurrency:` group"
+        for job_id, job in jobs(wf):
+            if "uses" in job:
+                continue  # a call of a reusable workflow: its own jobs carry the timeouts
+            assert "timeout-minutes" in job, f"{wf_path.name}:{job_id}: add timeout-minutes"
+
+
+def test_ci_and_ci_run_install_the_same_uv() -> None:
+    """ci.yml's setup-uv and .ci/run must agree, or .ci/run reinstalls uv (with pip) on GitHub."""
+    wf = load_workflow(WORKFLOW_DIR / "ci.yml")
+    match = re.search(r"^UV_VERSION=[\"']?([\w.]+)", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert match, ".ci/run no longer sets UV_VERSION=...; update this test and ci.yml together"
+    assert wf["env"]["UV_VERSION"] == match.group(1)
+    setups = [s for _, s in steps(wf) if str(s.get("uses", "")).startswith("astral-sh/setup-uv@")]
+    assert setups and all(s["with"]["version"] == "${{ env.UV_VERSION }}" for s in setups)
