@@ -1,0 +1,274 @@
+"""Which EP backend this environment holds, found without importing ``deep_ep``.
+
+Why this module exists: DeepEP v1, DeepEP v2 and HybridEP all install the module ``deep_ep``,
+and importing DeepEP v2 runs checks that can end the process (a second libnccl, an NCCL older
+than 2.30). So the probes first ask package metadata and the file layout what is installed,
+and only then decide whether, and how carefully, to import it. It also turns a failed import
+into a verdict that names the fix.
+
+Identity rules (distribution first, file layout to confirm or decide):
+
+- ``tokenspeed-deepep`` 1.x -> ``deepep_v1``; ``tokenspeed-deepep`` 2.x -> ``deepep_v2``
+- ``sgl-deep-ep`` -> ``deepep_v2``
+- ``deep-ep`` built from git -> by layout: ``deep_ep/hybrid_ep_buffer.py`` means ``hybridep``
+  (NVIDIA's hybrid-ep branch), ``deep_ep/buffers/elastic.py`` means ``deepep_v2``,
+  ``deep_ep/buffer.py`` alone means ``deepep_v1``
+
+The marker files match scripts/ep_backends.py (a test ties the two together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import _facts
+from _report import Status, one_line
+
+MODULE = "deep_ep"
+BACKEND_NAMES: tuple[str, ...] = ("deepep_v1", "deepep_v2", "hybridep")
+REFERENCE_BACKEND = "torch"
+
+#: A file inside the ``deep_ep`` package that only this backend's layout has; checked in
+#: order, because the hybrid-ep branch also ships v1's ``buffer.py``.
+MARKERS: tuple[tuple[str, str], ...] = (
+    ("hybridep", "hybrid_ep_buffer.py"),
+    ("deepep_v2", "buffers/elastic.py"),
+    ("deepep_v1", "buffer.py"),
+)
+
+#: Distributions known to carry ``deep_ep``, for reporting and identification.
+KNOWN_DISTRIBUTIONS: tuple[str, ...] = ("sgl-deep-ep", "tokenspeed-deepep", "deep-ep", "deep_ep")
+
+#: How a user gets each backend, for "missing" messages.
+INSTALL_HINTS: dict[str, str] = {
+    "deepep_v1": 'activate the deepep_v1 venv (eval "$(use-ep deepep_v1)") or '
+    "uv sync --extra deepep_v1",
+    "deepep_v2": 'activate the deepep_v2 venv (eval "$(use-ep deepep_v2)") or '
+    "uv sync --extra deepep_v2",
+    "hybridep": 'activate the hybridep venv (eval "$(use-ep hybridep)") or '
+    "uv sync --extra hybridep",
+}
+
+
+@dataclasses.dataclass
+class Installed:
+    """What provides ``deep_ep`` here. ``backend`` is None when nothing (known) does."""
+
+    backend: str | None
+    module_dir: str | None
+    distribution: str | None
+    version: str | None
+    commit: str | None
+    reason: str
+    build_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def backend_from_layout(package_dir: Path) -> str | None:
+    """The backend whose marker file ``package_dir`` (a ``deep_ep`` directory) contains."""
+    for backend, marker in MARKERS:
+        if (package_dir / marker).is_file():
+            return backend
+    return None
+
+
+def backend_from_distribution(name: str, version: str) -> str | None:
+    """The backend a distribution name and version stand for, where the name alone tells."""
+    norm = name.lower().replace("_", "-")
+    if norm == "sgl-deep-ep":
+        return "deepep_v2"
+    if norm == "tokenspeed-deepep":
+        major = version.split(".", 1)[0]
+        return "deepep_v1" if major == "1" else "deepep_v2"
+    return None
+
+
+def _distribution_of() -> tuple[str | None, str | None]:
+    """The installed distribution that provides ``deep_ep`` and its version."""
+    names = _facts.providers_of(MODULE) or []
+    # A distribution whose RECORD lists deep_ep, else any known name that is installed.
+    for name in [*names, *KNOWN_DISTRIBUTIONS]:
+        found = _facts.dist_version(name)
+        if found:
+            return found
+    return None, None
+
+
+def detect_installed() -> Installed:
+    """Identify the ``deep_ep`` provider from metadata and layout; never imports it."""
+    package_dir = _facts.module_dir(MODULE)
+    dist_name, version = _distribution_of()
+    if package_dir is None:
+        reason = "no module named deep_ep on sys.path"
+        if dist_name:
+            reason += f" (distribution {dist_name} {version} is registered but its files are gone)"
+        return Installed(None, None, dist_name, version, None, reason)
+
+    layout = backend_from_layout(package_dir)
+    by_dist = backend_from_distribution(dist_name, version or "") if dist_name else None
+    if layout and by_dist and layout != by_dist and layout != "hybridep":
+        reason = (
+            f"{dist_name} {version} names {by_dist} but the files at {package_dir} have the "
+            f"{layout} layout; going by the files"
+        )
+    elif layout:
+        reason = f"{dist_name or 'unregistered files'} {version or ''}".strip()
+        reason += f"; layout of {layout} ({dict(MARKERS)[layout]})"
+    elif by_dist:
+        layout = by_dist
+        reason = f"{dist_name} {version} (no known marker file in {package_dir})"
+    else:
+        reason = (
+            f"deep_ep at {package_dir} has no known layout (no {', '.join(dict(MARKERS).values())})"
+        )
+
+    commit = _facts.commit_of(version, _facts.dist_direct_url(dist_name) if dist_name else None)
+    build_info = _facts.read_literal_assignments(package_dir / "_build_info.py")
+    return Installed(
+        backend=layout,
+        module_dir=str(package_dir),
+        distribution=dist_name,
+        version=version,
+        commit=commit,
+        reason=reason,
+        build_info=build_info,
+    )
+
+
+@dataclasses.dataclass
+class ImportTrial:
+    """The outcome of importing a module in a throw-away child process."""
+
+    ok: bool
+    returncode: int
+    output: str
+    seconds_limit: float
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode).name
+            except ValueError:
+                return f"signal {-self.returncode}"
+        return None
+
+
+def trial_import(module: str = MODULE, timeout: float = 600.0) -> ImportTrial:
+    """Import ``module`` in a child Python so an import that aborts cannot take the probe down.
+
+    DeepEP v2's import compares the loaded libnccl with the one it was linked against and
+    may end the process; a child that dies is reported, not inherited.
+    """
+    code = (
+        "import importlib, sys\n"
+        f"m = importlib.import_module({module!r})\n"
+        "print('imported', getattr(m, '__file__', None))\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=os.environ.copy(),
+        )
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or "") + (exc.stderr or "") if isinstance(exc.stdout, str) else ""
+        return ImportTrial(
+            False, 124, output + f"\n(import timed out after {timeout:.0f}s)", timeout
+        )
+    return ImportTrial(proc.returncode == 0, proc.returncode, proc.stdout + proc.stderr, timeout)
+
+
+def last_error_line(output: str) -> str:
+    """The most telling line of a failed import's output (the exception line, or the last)."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "undefined symbol" in line:
+            return line
+    return lines[-1] if lines else "(no output)"
+
+
+NCCL_FIX = (
+    "DeepEP v2 needs NCCL >= 2.30 loaded once: install nvidia-nccl-cu13>=2.30 (the `moe` "
+    "extra pins 2.30.7) in this venv and make sure no other libnccl comes first "
+    "(check LD_LIBRARY_PATH and LD_PRELOAD)"
+)
+
+
+def classify_import_failure(
+    backend: str, output: str, returncode: int, gpu_visible: bool
+) -> tuple[Status, str, str]:
+    """Turn a failed ``import deep_ep`` into (status, one-line detail, fix).
+
+    Known causes get a precise fix; an unknown failure on a machine without a GPU is a skip
+    (5), since DeepEP builds need a GPU to load; anything else is "unusable" (3).
+    """
+    text = output
+    last = one_line(last_error_line(output), 300)
+    if returncode < 0:
+        sig = ImportTrial(False, returncode, output, 0).signal_name
+        detail = f"import {MODULE} killed the process ({sig}); last output: {last}"
+        hint = (
+            "the import aborted the interpreter; with DeepEP v2 this is usually its NCCL "
+            "check (two libnccl loaded, or a different one than it was linked against). " + NCCL_FIX
+        )
+        return Status.ERROR, detail, hint
+    if "ncclCommQueryProperties" in text or ("undefined symbol" in text and "nccl" in text.lower()):
+        return Status.ERROR, f"import {MODULE} failed: {last}", NCCL_FIX
+    if "Duplicate NCCL runtime" in text or "Invalid NCCL versions" in text:
+        return (
+            Status.ERROR,
+            f"import {MODULE} failed: {last}",
+            "two different libnccl are loaded: " + NCCL_FIX + "; EP_SUPPRESS_NCCL_CHECK=1 "
+            "silences the check but not the mismatch",
+        )
+    if "undefined symbol" in text and "nvshmem" in text.lower():
+        return (
+            Status.ERROR,
+            f"import {MODULE} failed: {last}",
+            "the extension was built against another NVSHMEM (or one without IBGDA): install "
+            "the nvidia-nvshmem-cu13 version it was built with, or rebuild the backend",
+        )
+    if "requires CUDA" in text and "PyTorch uses CUDA" in text:
+        return (
+            Status.ERROR,
+            f"import {MODULE} failed: {last}",
+            "the backend wheel and torch target different CUDA majors: install the torch "
+            "build for the backend's CUDA (cu130 for the pinned wheels)",
+        )
+    if "No module named 'deep_ep_cpp'" in text or "No module named 'deep_ep._C'" in text:
+        return (
+            Status.ERROR,
+            f"import {MODULE} failed: {last}",
+            "the compiled extension is missing: the backend build failed or targets another "
+            f"Python; reinstall it ({INSTALL_HINTS.get(backend, 'reinstall the backend')})",
+        )
+    if not gpu_visible:
+        return (
+            Status.SKIP,
+            f"{MODULE} is installed but does not load without a GPU: {last}",
+            "no GPU visible: run on a GPU node or pass --backend torch",
+        )
+    if "assert cuda_home is not None" in text or "CUDA_HOME" in text:
+        return (
+            Status.ERROR,
+            f"import {MODULE} failed: {last}",
+            "CUDA home not found: set CUDA_HOME to a CUDA 13 toolkit with nvcc; DeepEP v2 "
+            "JIT-compiles its kernels at run time",
+        )
+    return (
+        Status.ERROR,
+        f"import {MODULE} failed: {last}",
+        f"read the error above; reinstall the backend ({INSTALL_HINTS.get(backend, '')})",
+    )
