@@ -203,10 +203,15 @@ def sync_backend(
 
 
 def install_te(uv: str, venv: Path, wheels: list[Path]) -> None:
-    """The Transformer Engine wheel(s) built once by build_te.py, without re-resolving."""
+    """The Transformer Engine wheel(s) built once by build_te.py, without re-resolving.
+
+    ``--no-config``: a built wheel needs none of the project's build settings (its
+    extra-build-dependencies would otherwise apply to the transformer-engine name).
+    """
     if wheels:
         python = str(venv / "bin" / "python")
-        run([uv, "pip", "install", "--python", python, "--no-deps", *map(str, wheels)])
+        cmd = [uv, "pip", "install", "--no-config", "--python", python, "--no-deps"]
+        run([*cmd, *map(str, wheels)])
 
 
 def verify_backend(

@@ -1,0 +1,94 @@
+#!/bin/sh
+# build_host.sh: host mode, for clusters without Docker (enroot, Apptainer, plain Slurm nodes).
+#
+# Why: the image builds one venv per EP backend and hardlinks their identical files; a cluster
+# user who cannot run Docker needs the same result in a directory they own, from the same lock
+# and the same scripts, so the image and the host never drift. This builds every requested
+# backend with scripts/make_venv.py (each atomically, under <prefix>/<backend>), then runs
+# scripts/dedup.py across them, then says how to switch backend with scripts/use-ep.
+# docs/host-mode.md is the guide.
+set -eu
+
+here=$(cd "$(dirname "$0")" && pwd)
+prefix=${EP_PREFIX:-}
+backends=${EP_BACKENDS:-all}
+venv_python=
+read_only=
+activate=
+te_args=
+
+usage() {
+    cat <<EOF
+usage: build_host.sh --prefix DIR [--backends LIST] [--te-wheel PATH]... [--python PY]
+                     [--read-only] [--activate BACKEND]
+
+Build EP backend venvs under DIR (one per backend, from the committed uv.lock), then hardlink
+identical files across them, so all of them cost about as much disk as one.
+
+  --prefix DIR        where the venvs go (default: \$EP_PREFIX); use a filesystem that
+                      supports hardlinks, and the same one for all backends
+  --backends LIST     comma list of deepep_v1, deepep_v2, hybridep, or all
+                      (default: \$EP_BACKENDS or all); a backend that fails does not stop the others
+  --te-wheel PATH     Transformer Engine wheel from scripts/build_te.py, put in every venv
+  --python PY         interpreter for the venvs (uv venv --python; uv may download one)
+  --read-only         clear write bits of shared files (see docs/host-mode.md)
+  --activate BACKEND  point DIR/active at BACKEND when done
+
+Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
+Needs: uv on PATH, Python >= 3.11 to run the scripts (PYTHON=..., else python3, else uv's).
+EOF
+}
+
+while [ $# -gt 0 ]; do
+    case $1 in
+        --prefix) prefix=${2:?--prefix needs DIR}; shift 2 ;;
+        --backends) backends=${2:?--backends needs LIST}; shift 2 ;;
+        --te-wheel) te_args="$te_args --te-wheel=${2:?--te-wheel needs PATH}"; shift 2 ;;
+        --python) venv_python=${2:?--python needs PY}; shift 2 ;;
+        --read-only) read_only=--read-only; shift ;;
+        --activate) activate=${2:?--activate needs BACKEND}; shift 2 ;;
+        -h | --help) usage; exit 0 ;;
+        *) printf 'build_host.sh: unknown argument %s\n' "$1" >&2; usage >&2; exit 2 ;;
+    esac
+done
+if [ -z "$prefix" ]; then
+    echo "build_host.sh: --prefix DIR (or EP_PREFIX) is required" >&2
+    exit 2
+fi
+mkdir -p "$prefix"
+prefix=$(cd "$prefix" && pwd)
+command -v uv >/dev/null || {
+    echo "build_host.sh: uv not found on PATH: install it (pip install --user uv)" >&2
+    exit 1
+}
+
+# The scripts need Python >= 3.11 (tomllib); a cluster's python3 is often older.
+py() {
+    if [ -n "${PYTHON:-}" ]; then
+        "$PYTHON" "$@"
+    elif python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        python3 "$@"
+    else
+        uv run --no-project --python '>=3.11' python "$@"
+    fi
+}
+
+status=0
+# shellcheck disable=SC2086  # te_args is a list of --te-wheel=PATH words
+py "$here/make_venv.py" --backend "$backends" --prefix "$prefix" --keep-going \
+    ${venv_python:+--python "$venv_python"} $te_args || status=$?
+
+venvs=$(EP_PREFIX=$prefix "$here/use-ep" --list)
+count=$(printf '%s\n' "$venvs" | grep -c . || true)
+if [ "$count" -ge 2 ]; then
+    # shellcheck disable=SC2086  # one word per backend name
+    (cd "$prefix" && py "$here/dedup.py" $read_only --json "$prefix/dedup.json" $venvs) ||
+        status=1
+fi
+if [ -n "$activate" ]; then
+    EP_PREFIX=$prefix "$here/use-ep" --activate "$activate" >/dev/null || status=1
+fi
+
+printf 'build_host.sh: backends under %s: %s\n' "$prefix" "$(printf '%s\n' "$venvs" | paste -s -d ' ' -)"
+echo "build_host.sh: switch with: eval \"\$(EP_PREFIX=$prefix $here/use-ep BACKEND)\""
+exit "$status"

@@ -1,0 +1,171 @@
+"""scripts/make_venv.py with real uv: a real backend venv from the lock, and its failure paths.
+
+The deepep_v2 build installs torch 2.14.1 (CUDA build, ~5 GB) from uv's cache; the first run on
+a machine downloads it. The HybridEP test proves the git-source failure is clean and names the
+fix, on a machine that cannot reach GitHub *or* can: git is pointed at a mirror that does not
+exist, and uv gets an empty cache so no earlier clone can stand in for the fetch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _venv_helpers import ROOT, SCRIPTS, build_wheel, site_packages
+
+sys.path.insert(0, str(SCRIPTS))
+import ep_backends
+
+MAKE_VENV = SCRIPTS / "make_venv.py"
+
+
+def make_venv(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(MAKE_VENV), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+
+
+def leftovers(prefix: Path) -> list[Path]:
+    return sorted(prefix.glob(".*")) if prefix.exists() else []
+
+
+def test_unknown_backend_exits_2_and_lists_the_valid_ones(tmp_path: Path) -> None:
+    proc = make_venv("--backend", "deepep_v3", "--prefix", tmp_path / "venvs")
+    assert proc.returncode == 2
+    for name in ep_backends.BACKEND_NAMES:
+        assert name in proc.stderr
+    assert "deepep_v3" in proc.stderr
+    assert not (tmp_path / "venvs").exists()
+
+
+def test_help_reads_like_documentation() -> None:
+    proc = make_venv("--help")
+    assert proc.returncode == 0
+    for text in ("--backend", "--prefix", "--te-wheel", "uv.lock", "Exit codes"):
+        assert text in proc.stdout
+
+
+def test_registry_matches_pyproject() -> None:
+    registry = ep_backends.load_registry()
+    assert list(registry) == list(ep_backends.BACKEND_NAMES)
+    assert registry["deepep_v2"].distribution == "sgl-deep-ep"
+    assert registry["hybridep"].git == "https://github.com/deepseek-ai/DeepEP"
+    assert registry["hybridep"].git_rev and len(registry["hybridep"].git_rev) == 40
+    with pytest.raises(ep_backends.UnknownBackendError, match="deepep_v1, deepep_v2, hybridep"):
+        ep_backends.validate_backend("deepep")
+    assert ep_backends.expand_backends(["all"]) == list(ep_backends.BACKEND_NAMES)
+    assert ep_backends.expand_backends(["hybridep,deepep_v1"]) == ["deepep_v1", "hybridep"]
+
+
+def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
+    prefix = tmp_path / "venvs"
+    (prefix / ".hybridep.tmp-stale").mkdir(parents=True)  # as an interrupted build leaves it
+    gitconfig = tmp_path / "gitconfig"
+    gitconfig.write_text(
+        '[url "file:///nonexistent/github-mirror/"]\n\tinsteadOf = https://github.com/\n'
+    )
+    env = {
+        **os.environ,
+        "GIT_CONFIG_GLOBAL": str(gitconfig),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "UV_CACHE_DIR": str(tmp_path / "uv-cache"),
+    }
+    # The fetch fails at once, and uv stops the registry downloads it had started with it.
+    proc = make_venv("--backend", "hybridep", "--prefix", prefix, env=env)
+
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    message = proc.stderr
+    assert "could not clone the git source of deep-ep" in message
+    assert "github.com" in message and "insteadOf" in message and "network" in message
+    assert "Traceback" not in message
+    assert not (prefix / "hybridep").exists()
+    assert leftovers(prefix) == [], "no temporary venv left behind"
+
+
+@pytest.mark.slow
+def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
+    prefix = tmp_path / "venvs"
+    te_wheel = build_wheel(
+        tmp_path / "wheels",
+        "transformer_engine",
+        "2.17.0",
+        {"transformer_engine/__init__.py": "__version__ = '2.17.0'  # stand-in for build_te.py\n"},
+    )
+    proc = make_venv("--backend", "deepep_v2", "--prefix", prefix, "--te-wheel", te_wheel)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = prefix / "deepep_v2"
+    assert "sgl-deep-ep 0.1.2.post1" in proc.stdout
+
+    info = json.loads((venv / "ep-backend.json").read_text())
+    assert (info["backend"], info["extra"], info["distribution"]) == (
+        "deepep_v2",
+        "deepep_v2",
+        "sgl-deep-ep",
+    )
+    assert info["lock_sha256"] == hashlib.sha256((ROOT / "uv.lock").read_bytes()).hexdigest()
+    assert info["backend_installed"] is True
+    installed = {d["name"]: d["version"] for d in info["installed"]}
+    assert installed["sgl-deep-ep"] == "0.1.2.post1"
+    assert installed["torch"] == "2.14.1"
+    assert installed["transformer-engine"] == "2.17.0"
+    assert info["te_wheels"][0]["sha256"] == hashlib.sha256(te_wheel.read_bytes()).hexdigest()
+    for other in ("tokenspeed-deepep", "deep-ep"):
+        assert other not in installed
+
+    sp = site_packages(venv)
+    assert (sp / "deep_ep" / "buffers" / "elastic.py").is_file()
+    assert (sp / "deep_ep" / "buffers" / "legacy.py").is_file()
+    assert not (sp / "deep_ep" / "buffer.py").exists(), "no v1 layout"
+    assert not (sp / "deep_ep" / "hybrid_ep_buffer.py").exists(), "no HybridEP layout"
+    dists = {p.name.split("-")[0] for p in sp.glob("*.dist-info")}
+    assert "sgl_deep_ep" in dists and not dists & {"tokenspeed_deepep", "deep_ep"}
+
+    # Built under a temporary name, then renamed: nothing may point at that name.
+    assert leftovers(prefix) == []
+    prefix_seen = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sys; print(sys.prefix)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert prefix_seen == str(venv)
+    for script in (venv / "bin").iterdir():
+        if script.is_file() and not script.is_symlink():
+            assert b".deepep_v2.tmp-" not in script.read_bytes(), script
+
+    # A rebuild replaces the venv only once the new one is complete.
+    first_inode = (venv / "ep-backend.json").stat().st_ino
+    proc = make_venv("--backend", "deepep_v2", "--prefix", prefix)
+    assert proc.returncode == 0, proc.stderr
+    assert (venv / "ep-backend.json").stat().st_ino != first_inode
+    assert "transformer-engine" not in {
+        d["name"] for d in json.loads((venv / "ep-backend.json").read_text())["installed"]
+    }
+    assert leftovers(prefix) == []
+
+
+@pytest.mark.slow
+def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
+    prefix = tmp_path / "host"
+    proc = subprocess.run(
+        [str(SCRIPTS / "build_host.sh"), "--prefix", str(prefix), "--backends",
+         "deepep_v1,deepep_v2", "--activate", "deepep_v1"],
+        capture_output=True, text=True, timeout=1800,
+        env={**os.environ, "PYTHON": sys.executable},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for backend in ("deepep_v1", "deepep_v2"):
+        info = json.loads((prefix / backend / "ep-backend.json").read_text())
+        assert info["backend"] == backend and info["backend_installed"]
+    assert (site_packages(prefix / "deepep_v1") / "deep_ep" / "buffer.py").is_file()
+    assert os.readlink(prefix / "active") == "deepep_v1"
+    report = json.loads((prefix / "dedup.json").read_text())
+    assert report["bytes_after"] <= report["bytes_before"]
+    torch_init = "torch/__init__.py"
+    a = site_packages(prefix / "deepep_v1") / torch_init
+    b = site_packages(prefix / "deepep_v2") / torch_init
+    assert a.stat().st_ino == b.stat().st_ino, "identical torch files share an inode"
