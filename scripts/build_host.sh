@@ -13,14 +13,14 @@ here=$(cd "$(dirname "$0")" && pwd)
 prefix=${EP_PREFIX:-}
 backends=${EP_BACKENDS:-all}
 venv_python=
-read_only=
+read_only=--read-only
 activate=
 te_args=
 
 usage() {
     cat <<EOF
 usage: build_host.sh --prefix DIR [--backends LIST] [--te-wheel PATH]... [--python PY]
-                     [--read-only] [--activate BACKEND]
+                     [--no-read-only] [--activate BACKEND]
 
 Build EP backend venvs under DIR (one per backend, from the committed uv.lock), then hardlink
 identical files across them, so all of them cost about as much disk as one.
@@ -31,7 +31,9 @@ identical files across them, so all of them cost about as much disk as one.
                       (default: \$EP_BACKENDS or all); a backend that fails does not stop the others
   --te-wheel PATH     Transformer Engine wheel from scripts/build_te.py, put in every venv
   --python PY         interpreter for the venvs (uv venv --python; uv may download one)
-  --read-only         clear write bits of shared files (see docs/host-mode.md)
+  --no-read-only      keep write bits on shared files (default: dedup --read-only, so an
+                      in-place write into one venv fails instead of changing all of them;
+                      see docs/host-mode.md)
   --activate BACKEND  point DIR/active at BACKEND when done
 
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
@@ -46,6 +48,7 @@ while [ $# -gt 0 ]; do
         --te-wheel) te_args="$te_args --te-wheel=${2:?--te-wheel needs PATH}"; shift 2 ;;
         --python) venv_python=${2:?--python needs PY}; shift 2 ;;
         --read-only) read_only=--read-only; shift ;;
+        --no-read-only) read_only=; shift ;;
         --activate) activate=${2:?--activate needs BACKEND}; shift 2 ;;
         -h | --help) usage; exit 0 ;;
         *) printf 'build_host.sh: unknown argument %s\n' "$1" >&2; usage >&2; exit 2 ;;
@@ -72,6 +75,11 @@ py() {
         uv run --no-project --python '>=3.11' python "$@"
     fi
 }
+
+# Copies, not links into uv's cache: the prefix then stands alone (the cache may be on another
+# filesystem, be pruned, or belong to someone else), and dedup.py does the sharing, within it.
+UV_LINK_MODE=${UV_LINK_MODE:-copy}
+export UV_LINK_MODE
 
 status=0
 # shellcheck disable=SC2086  # te_args is a list of --te-wheel=PATH words

@@ -33,8 +33,10 @@ hardlink/clone mode replaces an existing target by rename). See docs/host-mode.m
 venvs and installers", and the test that reinstalls and upgrades a package in one deduplicated
 venv and proves the other venv's bytes did not change. What remains unsafe is editing an
 installed file in place (an editor, ``sed -i`` is fine as it renames, ``open(path, "w")`` is
-not); ``--read-only`` removes the write bits of every shared inode so such a write fails for
-non-root users (root ignores permission bits, so in an image it is documentation, not a lock).
+not); ``--read-only`` removes the write bits of every inode shared by paths under the ROOTs,
+so such a write fails for non-root users (root ignores permission bits, so in an image it is
+documentation, not a lock). It leaves alone inodes that are also linked from outside the ROOTs
+(uv's cache in its default hardlink mode), whose mode is not this run's to change.
 ``--read-only`` is the one option that changes modes, and it changes them on purpose.
 
 Test hook: ``EP_DEDUP_TEST_CRASH_AFTER=N`` kills the process with SIGKILL right after the
@@ -400,9 +402,7 @@ def choose_keeper(inode_lists: list[list[FileInfo]]) -> list[FileInfo]:
     return min(inode_lists, key=lambda paths: (-len(paths), str(min(p.path for p in paths))))
 
 
-def merge_set(
-    inode_lists: list[list[FileInfo]], report: Report, hook: _CrashHook, read_only: bool
-) -> None:
+def merge_set(inode_lists: list[list[FileInfo]], report: Report, hook: _CrashHook) -> None:
     """Link every inode in one duplicate set to the kept one, after a byte comparison."""
     keep_paths = choose_keeper(inode_lists)
     keep = keep_paths[0]
@@ -431,23 +431,32 @@ def merge_set(
         if merged_all:
             report.inodes_merged += 1
             report.bytes_after -= keep.size
-    if read_only and not report.dry_run:
-        make_read_only(keep, report)
-
-
-def make_read_only(info: FileInfo, report: Report) -> None:
-    """Clear the write bits of a shared inode (every path that links it sees the change)."""
-    st = os.lstat(info.path)
-    if stat.S_IMODE(st.st_mode) & _WRITE_BITS:
-        os.chmod(info.path, stat.S_IMODE(st.st_mode) & ~_WRITE_BITS, follow_symlinks=False)
-        report.files_made_read_only += st.st_nlink
 
 
 def protect_shared(candidates: list[FileInfo], report: Report) -> None:
-    """--read-only on inodes already shared by two paths here (earlier runs, uv hardlinks)."""
-    for paths in _inodes(candidates).values():
-        if len(paths) > 1:
-            make_read_only(paths[0], report)
+    """--read-only: clear the write bits of every inode that two or more paths here share.
+
+    Runs after linking, on fresh lstat data, so inodes shared by an earlier run count too.
+    An inode that also has links outside the ROOTs (uv's cache, another project's venv) is
+    left as is: changing its mode would reach files this run was not asked to touch.
+    """
+    paths_by_inode: dict[tuple[int, int], list[Path]] = defaultdict(list)
+    for info in candidates:
+        try:
+            st = os.lstat(info.path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            paths_by_inode[(st.st_dev, st.st_ino)].append(info.path)
+    for paths in paths_by_inode.values():
+        if len(paths) < 2:
+            continue
+        st = os.lstat(paths[0])
+        if st.st_nlink > len(paths):
+            report.skip("read-only not applied: also linked from outside the ROOTs", len(paths))
+        elif stat.S_IMODE(st.st_mode) & _WRITE_BITS:
+            os.chmod(paths[0], stat.S_IMODE(st.st_mode) & ~_WRITE_BITS, follow_symlinks=False)
+            report.files_made_read_only += len(paths)
 
 
 # --------------------------------------------------------------------------- driver
@@ -472,7 +481,7 @@ def dedup(
     report.bytes_after = report.bytes_before
     hook = _CrashHook()
     for inode_lists in duplicate_sets(candidates, read_only, report, jobs):
-        merge_set(inode_lists, report, hook, read_only)
+        merge_set(inode_lists, report, hook)
     if read_only and not dry_run:
         protect_shared(candidates, report)
     report.seconds = round(time.monotonic() - started, 3)

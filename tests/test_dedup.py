@@ -368,6 +368,24 @@ def test_read_only_blocks_in_place_writes_and_installers_still_work(world_tmp: P
     assert b_before[str(target_b.relative_to(b))][0] == snapshot_a[str(target_a.relative_to(a))][0]
 
 
+def test_read_only_leaves_inodes_linked_from_outside_alone(tmp_path: Path) -> None:
+    """Files that share an inode with uv's cache (or anything outside the ROOTs) keep their mode."""
+    a, b, cache = (tmp_path / n for n in ("a", "b", "cache"))
+    for d in (a, b, cache):
+        d.mkdir()
+    (cache / "lib.so").write_bytes(b"\x7fELF" + b"0" * 8192)
+    os.link(cache / "lib.so", a / "lib.so")
+    (b / "lib.so").write_bytes((cache / "lib.so").read_bytes())
+    (a / "own.py").write_text("x = 1\n" * 100)
+    (b / "own.py").write_text("x = 1\n" * 100)
+    report = dedup_json(tmp_path, a, b, extra=("--read-only",))
+    assert (a / "lib.so").stat().st_ino == (b / "lib.so").stat().st_ino
+    assert (cache / "lib.so").stat().st_mode & 0o222, "the cache's file keeps its write bits"
+    assert (a / "own.py").stat().st_mode & 0o222 == 0
+    assert report["files_made_read_only"] == 2
+    assert report["skipped"]["read-only not applied: also linked from outside the ROOTs"] == 2
+
+
 @pytest.mark.parametrize(
     ("relative", "excluded"),
     [

@@ -169,3 +169,6 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     a = site_packages(prefix / "deepep_v1") / torch_init
     b = site_packages(prefix / "deepep_v2") / torch_init
     assert a.stat().st_ino == b.stat().st_ino, "identical torch files share an inode"
+    assert a.stat().st_nlink == 2, "copies (UV_LINK_MODE=copy), not links into uv's cache"
+    assert a.stat().st_mode & 0o222 == 0, "host mode makes shared files read-only"
+    assert (prefix / "deepep_v1" / "pyvenv.cfg").stat().st_mode & 0o200, "unshared: writable"
