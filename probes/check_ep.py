@@ -228,6 +228,10 @@ def validate_static(args: argparse.Namespace, world: int) -> None:
         )
     if args.backend_class and args.backend != "auto":
         raise UsageError("--backend-class replaces --backend; pass only one of them")
+    if args.backend_class:
+        target = args.backend_class.rpartition(":")[0]
+        if (target.endswith(".py") or "/" in target) and not Path(target).is_file():
+            raise UsageError(f"--backend-class: file not found: {target}")
     for name in ("tokens", "hidden", "experts", "topk"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -302,38 +306,80 @@ def merge_exit_codes(codes: list[int]) -> int:
     return merged
 
 
+def _rank_environ(rank: int, nproc: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 def launch_local(nproc: int, argv: list[str], timeout: float) -> int:
-    """Start ``nproc`` ranks of this probe on this host and return their agreed exit code."""
+    """Start ``nproc`` ranks of this probe on this host and return their agreed exit code.
+
+    The ranks are forked after torch is imported once (nothing touches CUDA before the
+    fork, so each rank initialises its own GPU), which saves each rank the seconds a torch
+    import costs; where fork is unavailable they are started as fresh interpreters.
+    """
     port = _free_port()
     child_argv = _strip_nproc(argv)
-    procs: list[subprocess.Popen[bytes]] = []
-    for rank in range(nproc):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+    if hasattr(os, "fork"):
+        import torch  # imported once, inherited by every forked rank
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pids: list[int] = []
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:  # the rank
+                code = EXIT_UNUSABLE
+                try:
+                    os.environ.update(_rank_environ(rank, nproc, port))
+                    # As torchrun does: one intra-op thread per rank unless the user set it,
+                    # so N ranks do not oversubscribe the cores.
+                    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+                    code = main(child_argv)
+                except BaseException as exc:
+                    print(f"{PROG}: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            pids.append(pid)
+        return _wait_ranks(pids, timeout)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *child_argv],
+            env={"OMP_NUM_THREADS": "1", **os.environ, **_rank_environ(rank, nproc, port)},
         )
-        procs.append(
-            subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *child_argv], env=env)
-        )
+        for rank in range(nproc)
+    ]
+    return _wait_ranks([p.pid for p in procs], timeout)
+
+
+def _wait_ranks(pids: list[int], timeout: float) -> int:
+    """Wait for the ranks; when one ends badly, give the rest ``timeout`` + 30 s, then kill."""
+    codes: dict[int, int] = {}
     deadline: float | None = None
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.returncode not in (None, 0)]
-        if failed and deadline is None:
-            # One rank ended badly; give the others time to reach the same verdict.
-            deadline = time.monotonic() + timeout + 30
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+                if codes[pid] != 0 and deadline is None:
+                    deadline = time.monotonic() + timeout + 30
         if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.1)
-    codes = [p.wait() for p in procs]
-    return merge_exit_codes(codes)
+            for pid in pids:
+                if pid not in codes:
+                    os.kill(pid, 9)
+                    codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.05)
+    return merge_exit_codes(list(codes.values()))
 
 
 # ------------------------------------------------------------------------------------------
