@@ -170,15 +170,9 @@ def find_frontend(venv: Path) -> Frontend | None:
     return Frontend(site / "include", installed, f"venv:{FRONTEND_DIST}")
 
 
-def torch_version(venv: Path) -> str:
+def torch_version(venv: Path) -> str | None:
     """The venv's torch version (from dist-info: no import, so no CUDA libraries needed)."""
-    version = dist_version(site_packages(venv), "torch")
-    if version is None:
-        raise BuildTeError(
-            f"torch is not installed in {venv}; TE's PyTorch extension compiles against it. "
-            "Fix: `uv sync --frozen --extra moe --no-install-package transformer-engine`."
-        )
-    return version
+    return dist_version(site_packages(venv), "torch")
 
 
 def missing_build_requirements(venv: Path) -> list[str]:
@@ -497,6 +491,7 @@ def plan(args: argparse.Namespace) -> tuple[dict[str, str], list[str], dict[str,
         "arch_list": args.arch_list,
         "nvte_cuda_archs": env["NVTE_CUDA_ARCHS"],
         "torch_version": torch_version(venv),
+        "build_requirements_missing": missing_build_requirements(venv),
         "max_jobs": args.jobs,
         "source_missing": check.missing,
         "source_links": {k: str(v) for k, v in check.links.items()},
@@ -516,6 +511,10 @@ def print_plan(env: Mapping[str, str], cmd: Sequence[str], record: Mapping[str, 
         print(f"# will link {rel} -> {target}")
     for item in list(record["source_missing"]):  # type: ignore[call-overload]
         print(f"# MISSING in source: {item}")
+    if record["torch_version"] is None:
+        print("# MISSING in venv: torch (TE's PyTorch extension compiles against it)")
+    for req in list(record["build_requirements_missing"]):  # type: ignore[call-overload]
+        print(f"# MISSING in venv: {req} (installed by --install-build-deps)")
 
 
 def check_pins(record: Mapping[str, object]) -> None:
@@ -539,9 +538,14 @@ def build(args: argparse.Namespace, env: dict[str, str], cmd: list[str], record:
             "GitHub), or copy those submodules in at the commits TE pins."
         )
     check_pins(record)
+    if record["torch_version"] is None:
+        raise BuildTeError(
+            f"torch is not installed in {args.venv}; TE's PyTorch extension compiles against "
+            "it. Fix: `uv sync --frozen --extra moe --no-install-package transformer-engine`."
+        )
     if args.install_build_deps:
         install_build_requirements(args.uv, args.venv.resolve())
-    missing = missing_build_requirements(args.venv.resolve())
+    missing = record["build_requirements_missing"] = missing_build_requirements(args.venv.resolve())
     if missing:
         raise BuildTeError(
             f"TE's build tools are missing from the venv: {' '.join(missing)}. Fix: rerun "
@@ -554,7 +558,12 @@ def build(args: argparse.Namespace, env: dict[str, str], cmd: list[str], record:
     args.out.mkdir(parents=True, exist_ok=True)
     before = set(args.out.glob("transformer_engine-*.whl"))
     started = time.monotonic()
-    subprocess.run(cmd, env=full_env, check=True)
+    result = subprocess.run(cmd, env=full_env, check=False)
+    if result.returncode != 0:
+        raise BuildTeError(
+            f"the TE build failed (exit {result.returncode}); its output is above. With few "
+            "cores or little memory, lower --jobs (MAX_JOBS)."
+        )
     wheels = sorted(set(args.out.glob("transformer_engine-*.whl")) - before)
     if len(wheels) != 1:
         raise BuildTeError(f"expected one new transformer_engine wheel in {args.out}, got {wheels}")

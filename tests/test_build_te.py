@@ -1,0 +1,224 @@
+"""scripts/build_te.py against real venvs made with uv (no mocks).
+
+What this proves: discovery finds the headers and libraries of the real nvidia-cudnn-cu13 wheel
+the lock pins (site-packages/nvidia/cudnn/{include,lib}) and reads its version from
+cudnn_version.h; a venv without that wheel gets an error naming the package and the fix;
+``--dry-run`` prints the exact environment TE's build reads and the exact command; an incomplete
+TE source tree (a snapshot without submodules) is refused with what is missing; ``--skip``
+records that TE was not built.
+What it does NOT prove: that TE compiles. That needs TE's full source with its submodules
+(GitHub) and a CUDA toolkit, and takes hours on 2 cores: the image's `te` stage does it.
+
+The cuDNN wheel is ~550 MB; uv's cache makes repeat installs a matter of seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "build_te.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import build_te  # noqa: E402  (scripts/ is not a package)
+
+
+def locked_version(name: str) -> str:
+    """The version uv.lock pins for ``name`` (the test follows the lock, not a copy of it)."""
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    versions = {p["version"] for p in lock["package"] if p["name"] == name}
+    assert len(versions) == 1, f"{name}: {versions}"
+    return versions.pop()
+
+
+def make_venv(path: Path, *requirements: str) -> Path:
+    """A throwaway venv with ``requirements`` installed by uv (no dependencies)."""
+    subprocess.run(["uv", "venv", "--quiet", str(path)], check=True)
+    if requirements:
+        python = str(path / "bin" / "python")
+        subprocess.run(
+            ["uv", "pip", "install", "--quiet", "--no-deps", "--python", python, *requirements],
+            check=True,
+            timeout=900,
+        )
+    return path
+
+
+def run_script(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def te_source_snapshot(path: Path) -> Path:
+    """The top of a TE source tree as a plain snapshot has it: no submodules under 3rdparty/."""
+    (path / "build_tools").mkdir(parents=True)
+    (path / "build_tools" / "VERSION.txt").write_text("2.17.0\n")
+    (path / "setup.py").write_text("raise SystemExit('not a real TE tree')\n")
+    for sub in ("cudnn-frontend", "cutlass", "googletest", "nccl"):
+        (path / "3rdparty" / sub).mkdir(parents=True)  # uninitialised submodules are empty dirs
+    return path
+
+
+@pytest.fixture(scope="module")
+def cudnn_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Venv with the lock's nvidia-cudnn-cu13 and nvidia-cudnn-frontend (the moe extra's)."""
+    return make_venv(
+        tmp_path_factory.mktemp("cudnn") / "venv",
+        f"nvidia-cudnn-cu13=={locked_version('nvidia-cudnn-cu13')}",
+        f"nvidia-cudnn-frontend=={locked_version('nvidia-cudnn-frontend')}",
+    )
+
+
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_venv(tmp_path_factory.mktemp("bare") / "venv")
+
+
+def parse_exports(stdout: str) -> dict[str, str]:
+    env = {}
+    for line in stdout.splitlines():
+        if line.startswith("export "):
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key] = shlex.split(value)[0]
+    return env
+
+
+def test_discovery_finds_the_wheels_headers_libs_and_version(cudnn_venv: Path) -> None:
+    cudnn = build_te.find_cudnn(cudnn_venv)
+    site = next(cudnn_venv.glob("lib/python3*/site-packages"))
+    assert cudnn.root == site / "nvidia" / "cudnn"
+    assert (cudnn.include / "cudnn.h").is_file()
+    assert (cudnn.lib / "libcudnn.so.9").is_file()
+    assert (cudnn.lib / "libcudnn_graph.so.9").is_file()
+    # The version comes from the header, and agrees with the wheel that installed it.
+    dist = locked_version("nvidia-cudnn-cu13")
+    assert cudnn.dist_version == dist
+    assert cudnn.version == ".".join(dist.split(".")[:3])
+    header = (cudnn.include / "cudnn_version.h").read_text()
+    for macro, value in zip(
+        ("MAJOR", "MINOR", "PATCHLEVEL"), cudnn.version.split("."), strict=True
+    ):
+        assert f"#define CUDNN_{macro} {value}" in header
+    print(f"\ncuDNN {cudnn.version} (wheel {dist}): {cudnn.include} | {cudnn.lib}")
+
+
+def test_venv_without_cudnn_names_the_package_and_the_fix(bare_venv: Path, tmp_path: Path) -> None:
+    source = te_source_snapshot(tmp_path / "te")
+    result = run_script(
+        "--venv", bare_venv, "--source", source, "--out", tmp_path / "out", "--dry-run"
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nvidia-cudnn-cu13 is not installed" in result.stderr
+    assert "uv sync --frozen --extra moe" in result.stderr
+    assert "Traceback" not in result.stderr
+    print("\n" + result.stderr.strip())
+
+
+def test_dry_run_prints_the_exact_environment_and_command(cudnn_venv: Path, tmp_path: Path) -> None:
+    source = te_source_snapshot(tmp_path / "te")
+    out = tmp_path / "out"
+    result = run_script(
+        "--venv", cudnn_venv, "--source", source, "--arch-list", "9.0;10.0",
+        "--jobs", "3", "--out", out, "--dry-run",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    print("\n" + result.stdout)
+    env = parse_exports(result.stdout)
+    cudnn = build_te.find_cudnn(cudnn_venv)
+    assert env["CUDNN_PATH"] == env["CUDNN_HOME"] == str(cudnn.root)
+    assert env["CUDNN_INCLUDE_PATH"] == str(cudnn.include)
+    assert env["CUDNN_LIBRARY_PATH"] == str(cudnn.lib)
+    # The venv's cuDNN comes first for the compiler, the linker and the loader.
+    assert env["CPATH"].split(os.pathsep)[0] == str(cudnn.include)
+    assert env["LIBRARY_PATH"].split(os.pathsep)[0] == str(cudnn.lib)
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(cudnn.lib)
+    assert env["PATH"].split(os.pathsep)[0] == str(cudnn_venv / "bin")
+    assert env["NVTE_FRAMEWORK"] == "pytorch"
+    assert env["NVTE_CUDA_ARCHS"] == "90;100"
+    assert env["TORCH_CUDA_ARCH_LIST"] == "9.0;10.0"
+    assert env["MAX_JOBS"] == "3"
+    assert env["NVTE_BUILD_THREADS_PER_JOB"] == "1"
+    expected = shlex.join(
+        ["uv", "build", "--wheel", "--no-build-isolation", "--python",
+         str(cudnn_venv / "bin" / "python"), "--out-dir", str(out), str(source)]
+    )  # fmt: skip
+    assert expected in result.stdout.splitlines()
+    # The snapshot has no submodules: the frontend headers come from the venv's wheel, the
+    # rest is named as missing.
+    site = next(cudnn_venv.glob("lib/python3*/site-packages"))
+    assert f"# will link 3rdparty/cudnn-frontend/include -> {site / 'include'}" in result.stdout
+    assert "# MISSING in source: 3rdparty/cutlass/include (submodule)" in result.stdout
+    assert "3rdparty/cudnn-frontend/cmake/cuDNN.cmake" in result.stdout
+    assert "3rdparty/nccl" in result.stdout  # NCCL EP: archs >= 9.0 selected
+    assert "# MISSING in venv: torch" in result.stdout
+    # A dry run changes nothing.
+    assert not out.exists()
+    assert not (source / "3rdparty" / "cudnn-frontend" / "include").exists()
+
+
+def test_nccl_ep_off_drops_the_nccl_submodule_requirement(cudnn_venv: Path, tmp_path: Path) -> None:
+    source = te_source_snapshot(tmp_path / "te")
+    env = {**os.environ, "NVTE_WITH_NCCL_EP": "0"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--venv", str(cudnn_venv), "--source", str(source),
+         "--out", str(tmp_path / "out"), "--dry-run"],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "3rdparty/nccl" not in result.stdout
+
+
+def test_build_refuses_an_incomplete_source_and_says_what_is_missing(
+    cudnn_venv: Path, tmp_path: Path
+) -> None:
+    source = te_source_snapshot(tmp_path / "te")
+    result = run_script("--venv", cudnn_venv, "--source", source, "--out", tmp_path / "out")
+    assert result.returncode == 1
+    assert "the TE source tree lacks" in result.stderr
+    assert "3rdparty/cutlass/include" in result.stderr
+    assert "git -C SOURCE submodule update --init --recursive" in result.stderr
+    assert not (tmp_path / "out" / "te-build.json").exists()
+
+
+def test_not_a_te_tree_is_named(cudnn_venv: Path, tmp_path: Path) -> None:
+    result = run_script("--venv", cudnn_venv, "--source", tmp_path, "--out", tmp_path / "o")
+    assert result.returncode == 1
+    assert "is not a TransformerEngine source tree" in result.stderr
+
+
+def test_skip_records_that_te_was_not_built(tmp_path: Path) -> None:
+    result = run_script("--skip", "CPU-only test", "--out", tmp_path)
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "te-build.json").read_text())
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pin = pyproject["tool"]["uv"]["sources"]["transformer-engine"]["rev"]
+    assert record["skipped"] is True
+    assert record["reason"] == "CPU-only test"
+    assert record["te_commit_pinned"] == pin
+    assert not list(tmp_path.glob("*.whl"))
+
+
+def test_arch_list_conversion_and_errors() -> None:
+    assert build_te.nvte_archs("9.0;10.0") == "90;100"
+    assert build_te.nvte_archs("9.0 10.0a") == "90;100a"
+    with pytest.raises(build_te.BuildTeError, match="compute capabilities"):
+        build_te.nvte_archs("sm_90")
+
+
+def test_source_commit_must_match_the_pin() -> None:
+    record = {"te_commit_pinned": "a" * 40, "te_commit_source": "b" * 40}
+    with pytest.raises(build_te.BuildTeError, match=r"pyproject\.toml pins"):
+        build_te.check_pins(record)
+    build_te.check_pins({"te_commit_pinned": "a" * 40, "te_commit_source": None})
