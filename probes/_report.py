@@ -46,8 +46,8 @@ RESULT_WORDS = {
     EXIT_OK: "passed",
     EXIT_FAILED: "failed",
     EXIT_USAGE: "usage error",
-    EXIT_UNUSABLE: "backend unusable",
-    EXIT_MISSING: "backend missing",
+    EXIT_UNUSABLE: "unusable",
+    EXIT_MISSING: "missing",
     EXIT_SKIPPED: "skipped",
 }
 

@@ -624,6 +624,14 @@ def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
                     f"{backend.name} JIT-compiles its kernels at run time",
                     data,
                 )
+            if not (Path(home) / "include" / "cuda_runtime.h").is_file():
+                raise StepFailed(
+                    Status.ERROR,
+                    f"CUDA home {home} ({how}) has no include/cuda_runtime.h",
+                    f"set CUDA_HOME to the CUDA 13 toolkit root (the directory holding bin/nvcc "
+                    f"and include/); {backend.name} JIT-compiles its kernels at run time",
+                    data,
+                )
             notes.append(f"CUDA home {home} (nvcc {nvcc_ver})")
         nccl = _facts.torch_facts()["nccl"] if rt.use_gpu else None
         nccl_dist = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
