@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -26,10 +25,12 @@ BROKEN = ROOT / "tests" / "fixtures" / "broken_backends.py"
 
 sys.path.insert(0, str(PROBES))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
 import _ep_detect  # noqa: E402
 import check_ep  # noqa: E402
 from _report import Status  # noqa: E402
+from fake_installs import fake_deep_ep  # noqa: E402
 
 # A small layer keeps 4 ranks on 2 cores fast; every check still runs on it.
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
@@ -227,7 +228,7 @@ def test_requested_backend_missing(tmp_path: Path, backend: str) -> None:
     assert f"{backend} requested but not installed" in imp["detail"]
     assert f"use-ep {backend}" in imp["hint"] and f"--extra {backend}" in imp["hint"]
     assert all(s["status"] == "not run" for s in report["steps"][1:])
-    assert "result: backend missing (exit 4)" in proc.stdout
+    assert "result: missing (exit 4)" in proc.stdout
 
 
 @needs_no_gpu
@@ -251,30 +252,6 @@ def test_require_turns_a_skip_into_a_failure(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------
 # Installed but unusable: fake deep_ep installs reproduce the real failure messages
 # ---------------------------------------------------------------------------------------
-
-
-def fake_deep_ep(
-    site: Path, dist: str, version: str, markers: list[str], init: str, build_info: str = ""
-) -> Path:
-    """A deep_ep package plus dist-info, as a wheel would install it, under ``site``."""
-    pkg = site / "deep_ep"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(textwrap.dedent(init))
-    files = ["deep_ep/__init__.py"]
-    for marker in markers:
-        path = pkg / marker
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# marker\n")
-        files.append(f"deep_ep/{marker}")
-    if build_info:
-        (pkg / "_build_info.py").write_text(build_info)
-        files.append("deep_ep/_build_info.py")
-    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text("deep_ep\n")
-    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
-    return site
 
 
 V2_NCCL_TOO_OLD = """\

@@ -1,0 +1,181 @@
+"""check_env.py on this machine's real environment, and where things are absent.
+
+Why these tests: the manifest is what a bug report and an image record start from, so what it
+says must be what the environment holds. Here it is cross-checked against independent sources
+(package metadata, torch itself, the files on disk), and run where nothing optional exists to
+prove it reports nulls instead of failing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = ROOT / "probes" / "check_env.py"
+
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+
+from fake_installs import fake_deep_ep  # noqa: E402
+
+TOP_KEYS = {
+    "schema_version", "probe", "python", "torch", "torch_error", "cuda_toolkit",
+    "transformer_engine", "cudnn", "nccl", "nvshmem", "ep_backend", "gpu",
+}  # fmt: skip
+
+
+def run_env(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, python: list[str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict | None]:
+    report = tmp_path / "env.json"
+    proc = subprocess.run(
+        [*(python or [sys.executable]), str(PROBE), *args, "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env or dict(os.environ),
+        cwd=tmp_path,
+    )
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def version_or_none(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    tmp = tmp_path_factory.mktemp("env")
+    info = tmp / "te-build.json"
+    info.write_text(json.dumps({"cudnn_version": "9.24.0", "te_version": "2.17.0"}))
+    env = dict(os.environ, EP_BACKEND="deepep_v2", EP_TE_BUILD_INFO=str(info))
+    proc, data = run_env(tmp, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert data is not None
+    return proc.stdout, data
+
+
+def test_manifest_shape(manifest: tuple[str, dict]) -> None:
+    _, m = manifest
+    assert set(m) == TOP_KEYS
+    assert m["probe"] == "check_env" and m["schema_version"] == 1
+
+
+def test_python_and_torch_match_this_interpreter(manifest: tuple[str, dict]) -> None:
+    import torch
+
+    _, m = manifest
+    assert m["python"]["executable"] == sys.executable
+    assert m["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    assert m["torch"]["version"] == torch.__version__
+    assert m["torch"]["version"].split("+")[0] == metadata.version("torch").split("+")[0]
+    assert m["torch"]["cuda"] == torch.version.cuda
+    assert m["torch"]["cuda_available"] == torch.cuda.is_available()
+    assert m["torch_error"] is None
+
+
+def test_nccl_cudnn_nvshmem_versions_agree_with_their_wheels(manifest: tuple[str, dict]) -> None:
+    _, m = manifest
+    nccl = version_or_none("nvidia-nccl-cu13")
+    if nccl:
+        assert m["nccl"]["dist"] == {"distribution": "nvidia-nccl-cu13", "version": nccl}
+        # What torch says it runs equals the wheel it loaded, and the path is that wheel's.
+        assert m["nccl"]["torch_reports"] == ".".join(nccl.split(".")[:3])
+    cudnn = version_or_none("nvidia-cudnn-cu13")
+    if cudnn:
+        assert m["cudnn"]["dist"]["version"] == cudnn
+        assert m["cudnn"]["loaded"] == ".".join(cudnn.split(".")[:3])
+        assert m["cudnn"]["torch_reports"] == m["cudnn"]["loaded"]
+        assert "nvidia/cudnn/lib/libcudnn.so" in m["cudnn"]["loaded_path"]
+        assert Path(m["cudnn"]["loaded_path"]).is_file()
+    nvshmem = version_or_none("nvidia-nvshmem-cu13")
+    expected = {"distribution": "nvidia-nvshmem-cu13", "version": nvshmem} if nvshmem else None
+    assert m["nvshmem"]["dist"] == expected
+
+
+def test_te_build_info_and_backend_env(manifest: tuple[str, dict]) -> None:
+    stdout, m = manifest
+    assert m["cudnn"]["built"] == "9.24.0"
+    assert m["transformer_engine"]["build_info"]["te_version"] == "2.17.0"
+    assert m["ep_backend"]["EP_BACKEND"] == "deepep_v2"
+    if version_or_none("transformer-engine") is None:
+        assert m["transformer_engine"]["dist"] is None
+        assert "transformer engine  null" in stdout
+    assert "EP_BACKEND          deepep_v2" in stdout
+
+
+def test_cuda_toolkit_and_gpu_are_reported_or_null(manifest: tuple[str, dict]) -> None:
+    import shutil
+
+    _, m = manifest
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        assert m["cuda_toolkit"]["nvcc"] is not None
+        assert m["cuda_toolkit"]["nvcc_version"].count(".") >= 1
+    if shutil.which("nvidia-smi") is None:
+        assert m["gpu"]["nvidia_smi"] is None and m["gpu"]["driver"] is None
+    else:
+        assert m["gpu"]["driver"]
+
+
+def test_no_deep_ep_here_is_null(manifest: tuple[str, dict]) -> None:
+    import importlib.util
+
+    _, m = manifest
+    if importlib.util.find_spec("deep_ep") is None:
+        ep = m["ep_backend"]
+        assert ep["detected"] is None and ep["version"] is None and ep["commit"] is None
+        assert "no module named deep_ep" in ep["how"]
+
+
+def test_git_built_backend_reports_its_commit(tmp_path: Path) -> None:
+    site = fake_deep_ep(
+        tmp_path / "site", "deep_ep", "1.2.1+e0a5b1d", ["buffer.py", "hybrid_ep_buffer.py"], ""
+    )
+    (site / "deep_ep-1.2.1+e0a5b1d.dist-info" / "direct_url.json").write_text(
+        json.dumps(
+            {
+                "url": "https://github.com/deepseek-ai/DeepEP",
+                "vcs_info": {"vcs": "git", "commit_id": "e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8"},
+            }
+        )
+    )
+    proc, m = run_env(tmp_path, env=dict(os.environ, PYTHONPATH=str(site), EP_BACKEND="hybridep"))
+    assert proc.returncode == 0, proc.stderr
+    ep = m["ep_backend"]
+    assert ep["detected"] == "hybridep"
+    assert ep["version"] == "1.2.1+e0a5b1d"
+    assert ep["commit"] == "e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8"
+    assert (
+        "hybridep = deep_ep 1.2.1+e0a5b1d @ e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8" in proc.stdout
+    )
+
+
+def test_nothing_optional_present_still_exits_0(tmp_path: Path) -> None:
+    """An interpreter without site-packages (no torch, no wheels) and no tools on PATH."""
+    env = {"PATH": "/nonexistent", "HOME": str(tmp_path)}
+    proc, m = run_env(tmp_path, env=env, python=[sys.executable, "-I", "-S"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert m["torch"] is None and m["torch_error"] is None
+    assert m["cudnn"]["loaded"] is None and m["cudnn"]["dist"] is None
+    assert m["nccl"]["dist"] is None and m["nvshmem"]["dist"] is None
+    assert m["gpu"]["nvidia_smi"] is None
+    assert m["ep_backend"]["detected"] is None
+    assert "torch               null CUDA null" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_usage_exit_2(tmp_path: Path) -> None:
+    proc, m = run_env(tmp_path, "--nope")
+    assert proc.returncode == 2 and m is None
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("check_env: error: unrecognized arguments")

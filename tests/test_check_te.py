@@ -1,0 +1,266 @@
+"""check_te.py where Transformer Engine is absent, and its cuDNN logic on real libraries.
+
+Why these tests: the failure check_te exists for (TE built against one cuDNN, another one
+loaded) cannot be staged with TE on a CPU machine, but its ingredients can: this venv holds a
+real cuDNN (nvidia-cudnn-cu13) that torch loads on CPU too, so the maps parsing,
+``cudnnGetVersion`` and the built-vs-loaded verdict run here on real libraries. The GPU steps
+(fused attention, Linear) run on the GPU runner (gpu-probes.yml).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBES = ROOT / "probes"
+PROBE = PROBES / "check_te.py"
+
+sys.path.insert(0, str(PROBES))
+
+import _facts  # noqa: E402
+import check_te  # noqa: E402
+from _report import Status  # noqa: E402
+
+te_absent = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here"
+)
+
+
+def run_probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    report = tmp_path / "te.json"
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), *args, "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env or dict(os.environ),
+        cwd=tmp_path,
+    )
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def cudnn_wheel_version() -> tuple[int, int, int]:
+    try:
+        version = metadata.version("nvidia-cudnn-cu13")
+    except metadata.PackageNotFoundError:
+        pytest.skip("no nvidia-cudnn-cu13 wheel in this environment")
+    triplet = _facts.parse_version_triplet(version)
+    assert triplet is not None
+    return triplet
+
+
+# ---------------------------------------------------------------------------------------
+# The probe end to end: TE missing here
+# ---------------------------------------------------------------------------------------
+
+
+@te_absent
+def test_missing_te_exits_4_cleanly(tmp_path: Path) -> None:
+    proc, report = run_probe(tmp_path, "--require")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    steps = {s["name"]: s for s in report["steps"]}
+    assert list(steps) == list(check_te.STEP_NAMES)
+    assert steps["import"]["status"] == "missing"
+    assert "transformer_engine is not installed" in steps["import"]["detail"]
+    assert "scripts/build_te.py" in steps["import"]["hint"]
+    assert all(steps[n]["status"] == "not run" for n in check_te.STEP_NAMES[1:])
+    assert report["exit_code"] == 4 and report["result"] == "missing"
+    assert "result: missing (exit 4)" in proc.stdout
+
+
+@te_absent
+def test_build_info_path_from_environment(tmp_path: Path) -> None:
+    info = tmp_path / "te-build.json"
+    info.write_text(json.dumps({"cudnn_version": "9.24.0"}))
+    env = dict(os.environ, EP_TE_BUILD_INFO=str(info))
+    proc, report = run_probe(tmp_path, env=env)
+    assert proc.returncode == 4
+    assert f"te-build.json: {info}" in proc.stdout
+    assert report["versions"]["te_build_info"] == {"cudnn_version": "9.24.0"}
+
+
+def test_build_info_path_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EP_TE_BUILD_INFO", raising=False)
+    assert _facts.te_build_info_path(None) == "/opt/venvs/te-build.json"
+    monkeypatch.setenv("EP_TE_BUILD_INFO", "/env/te-build.json")
+    assert _facts.te_build_info_path(None) == "/env/te-build.json"
+    assert _facts.te_build_info_path("/flag.json") == "/flag.json"
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["--seq", "0"], "--seq must be a positive integer"),
+        (["--head-dim", "-1"], "--head-dim must be a positive integer"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_usage_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
+    proc, report = run_probe(tmp_path, *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("check_te: error: ") and phrase in lines[0]
+    assert report is None
+
+
+# ---------------------------------------------------------------------------------------
+# /proc/<pid>/maps and cudnnGetVersion on real libraries
+# ---------------------------------------------------------------------------------------
+
+LOADS_CUDNN = textwrap.dedent(
+    """
+    import sys, torch
+    torch.backends.cudnn.version()  # torch dlopens its cuDNN, on CPU too
+    for extra in sys.argv[1:]:
+        import ctypes
+        ctypes.CDLL(extra)
+    sys.stdout.write(open("/proc/self/maps").read())
+    """
+)
+
+
+def maps_of_a_process_that_loaded_cudnn(*extra_libs: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADS_CUDNN, *extra_libs],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return proc.stdout
+
+
+def test_maps_parsing_finds_the_real_libraries() -> None:
+    import torch
+
+    cudnn_wheel_version()
+    maps = maps_of_a_process_that_loaded_cudnn()
+    paths = _facts.parse_maps(maps)
+    assert paths and all(p.startswith("/") for p in paths)
+    assert len(paths) == len(set(paths))  # one entry per file, in first-seen order
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name for p in paths)
+    cudnn = _facts.mapped_libraries(r"^libcudnn\.so", maps)
+    assert cudnn, "torch loaded no libcudnn"
+    assert Path(cudnn[0]).name.startswith("libcudnn.so")
+    assert "nvidia/cudnn/lib" in cudnn[0]  # the venv's wheel, not a system copy
+    assert Path(cudnn[0]).is_file()
+
+
+def test_parse_maps_edge_cases() -> None:
+    text = "\n".join(
+        [
+            "7f00-7f01 r-xp 00000000 fe:00 12 /opt/with space/libx.so.1",
+            "7f01-7f02 r--p 00001000 fe:00 12 /opt/with space/libx.so.1",
+            "7f02-7f03 rw-p 00000000 00:00 0 ",
+            "7f03-7f04 rw-p 00000000 00:00 0 [heap]",
+            "7f04-7f05 r-xp 00000000 fe:00 13 /tmp/libgone.so (deleted)",
+        ]
+    )
+    assert _facts.parse_maps(text) == ["/opt/with space/libx.so.1", "/tmp/libgone.so"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(92400, (9, 24, 0)), (92000, (9, 20, 0)), (90100, (9, 1, 0)), (8907, (8, 9, 7))],
+)
+def test_decode_cudnn_version(raw: int, expected: tuple[int, int, int]) -> None:
+    assert _facts.decode_cudnn_version(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("9.24.0.43", (9, 24, 0)), ("9.20", (9, 20, 0)), ("9", (9, 0, 0)), ("", None), (None, None)],
+)
+def test_parse_version_triplet(text: str | None, expected: tuple[int, int, int] | None) -> None:
+    assert _facts.parse_version_triplet(text) == expected
+
+
+def test_loaded_cudnn_reports_the_wheel_version_and_path() -> None:
+    """cudnnGetVersion through ctypes agrees with the nvidia-cudnn-cu13 wheel's metadata."""
+    import torch
+
+    wheel = cudnn_wheel_version()
+    torch.backends.cudnn.version()
+    loaded = _facts.loaded_cudnn()
+    assert loaded["path"] and "nvidia/cudnn/lib" in loaded["path"]
+    assert _facts.parse_version_triplet(loaded["version"]) == wheel
+    assert loaded["raw"] == torch.backends.cudnn.version()
+
+
+# ---------------------------------------------------------------------------------------
+# The built-vs-loaded verdict, fed with the real loaded cuDNN
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def real_loaded() -> dict:
+    import torch
+
+    cudnn_wheel_version()
+    torch.backends.cudnn.version()
+    return _facts.loaded_cudnn()
+
+
+def test_cudnn_match_passes(real_loaded: dict) -> None:
+    info = {
+        "cudnn_version": real_loaded["version"],
+        "cudnn_lib": str(Path(real_loaded["path"]).parent),
+    }
+    status, detail, _, data = check_te.compare_cudnn(info, "/x/te-build.json", real_loaded)
+    assert status == Status.PASS, detail
+    assert real_loaded["version"] in detail and data["built"] == real_loaded["version"]
+
+
+def test_cudnn_mismatch_fails_naming_both_and_the_winner(real_loaded: dict) -> None:
+    info = {"cudnn_version": "9.20.0", "cudnn_lib": "/opt/venvs/moe/nvidia/cudnn/lib"}
+    status, detail, hint, _ = check_te.compare_cudnn(info, "/x/te-build.json", real_loaded)
+    assert status == Status.FAIL
+    assert "built against cuDNN 9.20.0" in detail
+    assert f"cuDNN {real_loaded['version']} is loaded" in detail
+    assert real_loaded["path"] in detail
+    assert "/opt/venvs/moe/nvidia/cudnn/lib" in hint and "build_te.py" in hint
+
+
+def test_cudnn_without_build_record_is_reported_not_failed(real_loaded: dict) -> None:
+    status, detail, hint, _ = check_te.compare_cudnn(None, "/nowhere/te-build.json", real_loaded)
+    assert status == Status.INFO
+    assert "no build record at /nowhere/te-build.json" in detail
+    assert "EP_TE_BUILD_INFO" in hint
+    skipped = {"skipped": True, "reason": "CPU-only image"}
+    status, detail, _, _ = check_te.compare_cudnn(skipped, "/x.json", real_loaded)
+    assert status == Status.INFO and "CPU-only image" in detail
+
+
+def test_no_cudnn_loaded_is_an_error() -> None:
+    status, detail, hint, _ = check_te.compare_cudnn(
+        {"cudnn_version": "9.24.0"}, "/x.json", {"path": None, "version": None, "all_mapped": []}
+    )
+    assert status == Status.ERROR and "no libcudnn" in detail and "nvidia-cudnn-cu13" in hint
+
+
+def test_two_cudnn_copies_mapped_fail(tmp_path: Path, real_loaded: dict) -> None:
+    """A second libcudnn.so.9 loaded next to the venv's: the real 'base image copy' hazard."""
+    copy = tmp_path / "base-image" / "libcudnn.so.9"
+    copy.parent.mkdir()
+    shutil.copy2(real_loaded["path"], copy)
+    maps = maps_of_a_process_that_loaded_cudnn(str(copy))
+    mapped = _facts.mapped_libraries(r"^libcudnn\.so", maps)
+    assert str(copy) in mapped and real_loaded["path"] in mapped
+    loaded = {**real_loaded, "all_mapped": mapped}
+    info = {"cudnn_version": real_loaded["version"]}
+    status, detail, hint, _ = check_te.compare_cudnn(info, "/x.json", loaded)
+    assert status == Status.FAIL
+    assert "2 different libcudnn.so are mapped" in detail and str(copy) in detail
+    assert "LD_LIBRARY_PATH" in hint
