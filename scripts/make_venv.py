@@ -67,6 +67,7 @@ class Options:
     no_install_packages: list[str] = field(default_factory=list)
     dedup: bool = False
     keep_going: bool = False
+    compile_bytecode: bool = False
 
 
 # --------------------------------------------------------------------------- helpers
@@ -180,8 +181,9 @@ def create_venv(uv: str, venv: Path, python: str | None, project: Path) -> None:
 def sync_backend(
     uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str]
 ) -> None:
-    """``uv sync --frozen`` of the backend's extra into ``venv``."""
+    """``uv sync --frozen`` of the backend's extra into ``venv`` (bytecode: compile_bytecode)."""
     env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
+    env.pop("UV_COMPILE_BYTECODE", None)
     cmd = [
         uv,
         "sync",
@@ -212,6 +214,46 @@ def install_te(uv: str, venv: Path, wheels: list[Path]) -> None:
         python = str(venv / "bin" / "python")
         cmd = [uv, "pip", "install", "--no-config", "--python", python, "--no-deps"]
         run([*cmd, *map(str, wheels)])
+
+
+def wants_bytecode(flag: bool) -> bool:
+    """--compile-bytecode, or uv's own switch UV_COMPILE_BYTECODE set in the environment."""
+    value = os.environ.get("UV_COMPILE_BYTECODE", "").strip().lower()
+    return flag or value not in ("", "0", "false", "no", "off")
+
+
+def compile_bytecode(venv: Path) -> None:
+    """Compile site-packages so that identical sources give identical .pyc files in every venv.
+
+    uv's own compilation (UV_COMPILE_BYTECODE) writes timestamp-validated .pyc files that embed
+    the absolute source path, here the temporary build path: they differ per venv, cannot be
+    deduplicated, and pin each source's mtime (dedup.py then keeps those sources apart too).
+    Instead: hash-checked .pyc files (valid whatever the mtime) with the path stored relative
+    to site-packages (``-s``/``-p``); importlib rewrites ``co_filename`` to the real path when
+    it loads a .pyc, so tracebacks still name the venv's files. Files that do not compile
+    (test data in some wheels) are skipped, as uv skips them.
+    """
+    sp = site_packages(venv)
+    cmd = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "compileall",
+        "-q",
+        "-j",
+        "0",
+        "--invalidation-mode",
+        "checked-hash",
+        "-s",
+        str(sp),
+        "-p",
+        "",
+        str(sp),
+    ]
+    print("+ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        failed = sum(1 for line in proc.stdout.splitlines() if line.startswith("***"))
+        print(f"make_venv: bytecode: {failed or 'some'} files did not compile (skipped)")
 
 
 def verify_backend(
@@ -291,6 +333,9 @@ def build_info(
         "installed": installed,
         "pip_check": pip_check(uv, venv),
         "relocatable": True,
+        "bytecode": "checked-hash, paths relative to site-packages"
+        if opts.compile_bytecode
+        else None,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "created_by": "scripts/make_venv.py",
     }
@@ -319,6 +364,8 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
         create_venv(uv, temp, opts.python, opts.project)
         sync_backend(uv, temp, backend, opts.project, opts.no_install_packages)
         install_te(uv, temp, opts.te_wheels)
+        if opts.compile_bytecode:
+            compile_bytecode(temp)
         installed = installed_distributions(uv, temp)
         present = verify_backend(temp, backend, installed)
         assert_relocated(temp, temp.name)
@@ -418,6 +465,15 @@ def parse_args(argv: list[str] | None) -> Options:
         ),
     )
     parser.add_argument(
+        "--compile-bytecode",
+        action="store_true",
+        help=(
+            "compile site-packages to hash-checked .pyc files that are identical across venvs "
+            "(so dedup.py can share them); also on when UV_COMPILE_BYTECODE is set, which is "
+            "then not passed to uv"
+        ),
+    )
+    parser.add_argument(
         "--dedup",
         action="store_true",
         help="after building, hardlink identical files across every venv in the prefix",
@@ -441,6 +497,7 @@ def parse_args(argv: list[str] | None) -> Options:
         no_install_packages=args.no_install_package,
         dedup=args.dedup,
         keep_going=args.keep_going,
+        compile_bytecode=wants_bytecode(args.compile_bytecode),
     )
 
 

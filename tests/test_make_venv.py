@@ -155,7 +155,7 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
         [str(SCRIPTS / "build_host.sh"), "--prefix", str(prefix), "--backends",
          "deepep_v1,deepep_v2", "--activate", "deepep_v1"],
         capture_output=True, text=True, timeout=1800,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": sys.executable, "UV_COMPILE_BYTECODE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for backend in ("deepep_v1", "deepep_v2"):
@@ -172,3 +172,9 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     assert a.stat().st_nlink == 2, "copies (UV_LINK_MODE=copy), not links into uv's cache"
     assert a.stat().st_mode & 0o222 == 0, "host mode makes shared files read-only"
     assert (prefix / "deepep_v1" / "pyvenv.cfg").stat().st_mode & 0o200, "unshared: writable"
+    # make_venv compiles bytecode itself (UV_COMPILE_BYTECODE): hash-checked, relative paths,
+    # so the .pyc files are identical across venvs and shared too.
+    pyc = "torch/__pycache__/__init__.cpython-{}{}.pyc".format(*sys.version_info[:2])
+    pyc_a, pyc_b = (site_packages(prefix / n) / pyc for n in ("deepep_v1", "deepep_v2"))
+    assert int.from_bytes(pyc_a.read_bytes()[4:8], "little") == 3, "checked-hash .pyc"
+    assert pyc_a.stat().st_ino == pyc_b.stat().st_ino
