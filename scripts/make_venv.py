@@ -88,17 +88,27 @@ def uv_executable() -> str:
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
-    """Run ``cmd``, echo its output, return its stderr; BuildError carries stderr on failure."""
+    """Run ``cmd``, streaming its output (long builds stay visible), and return its stderr.
+
+    On failure raises BuildError carrying that stderr, for callers to classify.
+    """
     print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False)
-    if proc.stdout:
-        sys.stdout.write(proc.stdout)
-    if proc.stderr:
-        sys.stderr.write(proc.stderr)
-    sys.stdout.flush()
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            lines.append(line)
+    sys.stderr.flush()
+    stderr = "".join(lines)
     if proc.returncode != 0:
-        raise BuildError(proc.stderr or f"{cmd[0]} exited with {proc.returncode}")
-    return proc.stderr
+        raise BuildError(stderr or f"{cmd[0]} exited with {proc.returncode}")
+    return stderr
+
+
+def tail(text: str, count: int = 6) -> str:
+    """The last ``count`` non-blank lines of a tool's output (the rest is printed above)."""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-count:])
 
 
 def git_fix_message(backend: ep_backends.Backend, uv_error: str) -> str:
@@ -110,7 +120,7 @@ def git_fix_message(backend: ep_backends.Backend, uv_error: str) -> str:
         "or point git at a mirror that holds that commit (and its submodules), e.g. "
         f"`git config --global url.<mirror-url>.insteadOf {backend.git}` "
         "(in a container build, pass the git config in as a secret or bind mount). "
-        f"uv said:\n{uv_error.strip()}"
+        f"uv's error (in full above) ends:\n{tail(uv_error)}"
     )
 
 
@@ -201,7 +211,9 @@ def sync_backend(
     except BuildError as exc:
         if backend.git and looks_like_git_failure(str(exc)):
             raise BuildError(git_fix_message(backend, str(exc))) from None
-        raise BuildError(f"{backend.name}: uv sync failed:\n{exc}") from None
+        raise BuildError(
+            f"{backend.name}: uv sync failed (output above); it ends:\n{tail(str(exc))}"
+        ) from None
 
 
 def install_te(uv: str, venv: Path, wheels: list[Path]) -> None:
