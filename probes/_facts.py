@@ -254,20 +254,30 @@ def loaded_cudnn(load_if_absent: bool = True) -> dict[str, Any]:
             except OSError:
                 continue
         paths = mapped_libraries(r"^libcudnn\.so")
-    info: dict[str, Any] = {"path": None, "version": None, "all_mapped": paths}
+    info: dict[str, Any] = {"path": None, "version": None, "all_mapped": paths, "versions": {}}
     if not paths:
         return info
-    info["path"] = paths[0]
-    try:
-        lib = ctypes.CDLL(paths[0])
-        lib.cudnnGetVersion.restype = ctypes.c_size_t
-        raw = int(lib.cudnnGetVersion())
-    except (OSError, AttributeError) as exc:
-        info["error"] = f"cudnnGetVersion failed: {exc}"
-        return info
-    info["raw"] = raw
-    info["version"] = "{}.{}.{}".format(*decode_cudnn_version(raw))
+    for path in paths:
+        raw, error = cudnn_version_at(path)
+        info["versions"][path] = "{}.{}.{}".format(*decode_cudnn_version(raw)) if raw else None
+        if path == paths[0]:
+            info["path"] = path
+            if raw is None:
+                info["error"] = error
+            else:
+                info["raw"] = raw
+                info["version"] = info["versions"][path]
     return info
+
+
+def cudnn_version_at(path: str) -> tuple[int | None, str | None]:
+    """``cudnnGetVersion()`` of the library file at ``path`` (already mapped: same handle)."""
+    try:
+        lib = ctypes.CDLL(path)
+        lib.cudnnGetVersion.restype = ctypes.c_size_t
+        return int(lib.cudnnGetVersion()), None
+    except (OSError, AttributeError) as exc:
+        return None, f"cudnnGetVersion failed: {exc}"
 
 
 DEFAULT_TE_BUILD_INFO = "/opt/venvs/te-build.json"

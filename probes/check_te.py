@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +144,16 @@ def compare_cudnn(
         return Status.ERROR, f"{loaded['path']}: {loaded.get('error')}", "", data
     distinct = sorted({os.path.realpath(p) for p in data["all_mapped"]})
     if len(distinct) > 1:
+        versions = loaded.get("versions", {})
+        listed = ", ".join(
+            f"{p} ({versions.get(p) or versions.get(_mapped_name(p, data['all_mapped'])) or '?'})"
+            for p in distinct
+        )
         return (
             Status.FAIL,
-            f"{len(distinct)} different libcudnn.so are mapped: {', '.join(distinct)}",
-            "load one cuDNN: put the venv's nvidia/cudnn/lib first on LD_LIBRARY_PATH and "
+            f"{len(distinct)} different libcudnn.so are mapped: {listed}",
+            "load one cuDNN: put the venv's nvidia/cudnn/lib first on LD_LIBRARY_PATH (cuDNN "
+            "also dlopens its sub-libraries, libcudnn_engines_*, by name from that path) and "
             "drop the base image's copy from the loader path",
             data,
         )
@@ -185,6 +193,11 @@ def compare_cudnn(
         )
     where = loaded["path"]
     return Status.PASS, f"built against and loaded cuDNN {loaded['version']} ({where})", "", data
+
+
+def _mapped_name(real: str, mapped: list[str]) -> str:
+    """The path as mapped (maybe a symlink) whose real path is ``real``."""
+    return next((p for p in mapped if os.path.realpath(p) == real), real)
 
 
 # ------------------------------------------------------------------------------------------
@@ -263,7 +276,27 @@ def _need_gpu(name: str) -> None:
         raise StepFailed(Status.SKIP, f"{name} needs a GPU", "no GPU visible: run on a GPU node")
 
 
+@contextmanager
+def _te_call(what: str) -> Iterator[None]:
+    """Run a TE call; an exception is "unusable" (3), naming the call and, for cuDNN, the fix."""
+    try:
+        yield
+    except StepFailed:
+        raise
+    except Exception as exc:
+        text = one_line(f"{type(exc).__name__}: {exc}")
+        hint = ""
+        if "cudnn" in text.lower():
+            hint = (
+                "TE failed inside cuDNN: make the cudnn step pass (one libcudnn loaded, the one "
+                "TE was built against; its sub-libraries come from the same directory), or "
+                "rebuild TE against the loaded cuDNN with scripts/build_te.py"
+            )
+        raise StepFailed(Status.ERROR, f"{what} raised {text}", hint) from None
+
+
 def _rel(out: Any, ref: Any) -> float:
+    out, ref = out.detach(), ref.detach()
     ref64 = ref.double()
     denom = float(ref64.norm())
     num = float((out.double() - ref64).norm())
@@ -291,10 +324,13 @@ def step_fused_attention(te: Any, args: argparse.Namespace) -> Step:
             qkv_format="bshd",
             attention_dropout=0.0,
         )
-        out = attn(q, k, v)  # [b, s, h*d]
+        with _te_call("fused attention forward"):
+            out = attn(q, k, v)  # [b, s, h*d]
+            torch.cuda.synchronize()
         grad = torch.randn_like(out)
-        out.backward(grad)
-        torch.cuda.synchronize()
+        with _te_call("fused attention backward"):
+            out.backward(grad)
+            torch.cuda.synchronize()
 
         qf, kf, vf = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
         ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)  # [b, h, s, d]
@@ -344,10 +380,13 @@ def step_linear(te: Any, args: argparse.Namespace) -> Step:
         n = args.features
         layer = te.Linear(n, n, bias=True, params_dtype=torch.bfloat16, device="cuda")
         x = torch.randn(args.seq, n, device="cuda", dtype=torch.bfloat16).requires_grad_()
-        y = layer(x)
+        with _te_call("te.Linear forward"):
+            y = layer(x)
+            torch.cuda.synchronize()
         grad = torch.randn_like(y)
-        y.backward(grad)
-        torch.cuda.synchronize()
+        with _te_call("te.Linear backward"):
+            y.backward(grad)
+            torch.cuda.synchronize()
 
         w = layer.weight.detach().float().requires_grad_()
         bias = layer.bias.detach().float().requires_grad_()

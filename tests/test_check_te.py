@@ -263,4 +263,46 @@ def test_two_cudnn_copies_mapped_fail(tmp_path: Path, real_loaded: dict) -> None
     status, detail, hint, _ = check_te.compare_cudnn(info, "/x.json", loaded)
     assert status == Status.FAIL
     assert "2 different libcudnn.so are mapped" in detail and str(copy) in detail
-    assert "LD_LIBRARY_PATH" in hint
+    assert f"{real_loaded['path']} ({real_loaded['version']})" in detail
+    assert "LD_LIBRARY_PATH" in hint and "sub-libraries" in hint
+
+
+def test_loaded_cudnn_versions_each_mapped_copy(tmp_path: Path) -> None:
+    """In a process with two copies mapped, each copy's own cudnnGetVersion is reported."""
+    wheel = cudnn_wheel_version()
+    import torch
+
+    torch.backends.cudnn.version()
+    venv_lib = _facts.loaded_cudnn()["path"]
+    copy = tmp_path / "libcudnn.so.9"
+    shutil.copy2(venv_lib, copy)
+    code = (
+        "import json, sys, ctypes, torch; torch.backends.cudnn.version(); "
+        f"ctypes.CDLL({str(copy)!r}); sys.path.insert(0, {str(PROBES)!r}); import _facts; "
+        "print(json.dumps(_facts.loaded_cudnn()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    info = json.loads(out)
+    assert set(info["versions"]) == {venv_lib, str(copy)}
+    expected = ".".join(map(str, wheel))
+    assert all(v == expected for v in info["versions"].values())
+
+
+def test_te_exception_is_unusable_with_the_cudnn_fix() -> None:
+    """The error the GPU runner saw with two cuDNN copies loaded (TE 2.17, cuDNN 9.19 + 9.14)."""
+    seen = (
+        "/te/transformer_engine/common/fused_attn/fused_attn_f16_arbitrary_seqlen.cu:419 in "
+        "function operator(): cuDNN Error: CUDNN_BACKEND_TENSOR_DESCRIPTOR cudnnFinalize "
+        "failedptrDesc->finalize() cudnn_status: CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED."
+    )
+    call = check_te._te_call("fused attention backward")
+    with pytest.raises(check_te.StepFailed) as caught, call:
+        raise RuntimeError(seen)
+    assert caught.value.status == Status.ERROR
+    assert caught.value.detail.startswith("fused attention backward raised RuntimeError: ")
+    assert "scripts/build_te.py" in caught.value.hint
+    with pytest.raises(check_te.StepFailed) as caught, check_te._te_call("te.Linear forward"):
+        raise ValueError("shape mismatch")
+    assert caught.value.hint == ""
