@@ -116,7 +116,8 @@ def git_fix_message(backend: ep_backends.Backend, uv_error: str) -> str:
     return (
         f"{backend.name}: uv could not clone the git source of {backend.distribution} "
         f"({backend.source_label}), pinned in pyproject.toml [tool.uv.sources]. "
-        "This machine cannot reach GitHub. Fix: give the build network access to github.com, "
+        "The fetch failed (no route to GitHub, or a git mirror that lacks the commit). "
+        "Fix: give the build network access to github.com, "
         "or point git at a mirror that holds that commit (and its submodules), e.g. "
         f"`git config --global url.<mirror-url>.insteadOf {backend.git}` "
         "(in a container build, pass the git config in as a secret or bind mount). "
