@@ -82,6 +82,31 @@ def module_dir(name: str) -> Path | None:
     return Path(spec.origin).parent if spec.origin else None
 
 
+def extension_path(name: str) -> str | None:
+    """File of a top-level compiled extension module (``deep_ep_cpp``), found without loading."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.origin else None
+
+
+def file_contains(path: str, needle: bytes, chunk: int = 1 << 22) -> bool:
+    """Whether the file at ``path`` contains ``needle`` (read in chunks; False if unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            keep = len(needle) - 1  # bytes of a needle that may straddle the next read
+            tail = b""
+            while block := fh.read(chunk):
+                window = tail + block
+                if needle in window:
+                    return True
+                tail = window[-keep:] if keep else b""
+    except OSError:
+        return False
+    return False
+
+
 def providers_of(module: str) -> list[str]:
     """Distributions that install the top-level module ``module`` (from their RECORD files)."""
     try:

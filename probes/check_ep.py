@@ -540,7 +540,7 @@ def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
                     data,
                 )
             if rt.env.local_rank == 0:
-                trial = _ep_detect.trial_import(timeout=max(rt.timeout, 60.0))
+                trial = _ep_detect.trial_import(timeout=max(rt.timeout * 0.8, 60.0))
                 if not trial.ok:
                     status, detail, hint = _ep_detect.classify_import_failure(
                         sel.name, trial.output, trial.returncode, torch.cuda.is_available()
@@ -577,100 +577,150 @@ def _import_detail(sel: Selection, data: dict[str, Any]) -> str:
 
 
 def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
-    """GPU, world size, CUDA home + nvcc for JIT backends, NCCL and NVSHMEM versions."""
-    import torch
+    """GPU, world size, CUDA home + nvcc for JIT backends, NCCL and NVSHMEM versions.
 
+    Every fact is gathered first, so the report shows all of them even when one problem
+    ends the step; the most severe problem decides its status.
+    """
     with timed_step("prerequisites") as step:
         data: dict[str, Any] = {"world_size": rt.env.world}
         notes: list[str] = []
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        data["gpus_visible"] = gpus
-        if backend.requires_gpu or rt.use_gpu:
-            if gpus == 0:
-                raise StepFailed(
-                    Status.SKIP,
-                    f"{backend.name} needs a GPU and none is visible",
-                    "no GPU visible: run on a GPU node or pass --backend torch",
-                    data,
-                )
-            if gpus < rt.env.local_world:
-                raise StepFailed(
-                    Status.SKIP,
-                    f"{rt.env.local_world} local ranks but only {gpus} GPUs visible",
-                    "start at most one rank per GPU (torchrun --nproc-per-node <= GPUs)",
-                    data,
-                )
-            name = torch.cuda.get_device_name(rt.device)
-            data["gpu"] = name
-            notes.append(f"{gpus}x {name}")
-        else:
-            notes.append("CPU over gloo (no GPU needed)")
+        problems: list[tuple[Status, str, str]] = []
+        _check_gpus(rt, backend, data, notes, problems)
         if backend.world_sizes is not None and rt.env.world not in backend.world_sizes:
-            raise StepFailed(
-                Status.SKIP,
-                f"{backend.name} cannot run on {rt.env.world} rank(s)",
-                backend.world_size_note or f"run with {backend.world_sizes} ranks",
-                data,
+            problems.append(
+                (
+                    Status.SKIP,
+                    f"{backend.name} cannot run on {rt.env.world} rank(s)",
+                    backend.world_size_note or f"run with {backend.world_sizes} ranks",
+                )
             )
         if backend.jit_compiles:
-            home, how = _facts.cuda_home()
-            nvcc, nvcc_ver = _facts.nvcc_version(home)
-            data.update(cuda_home=home, cuda_home_from=how, nvcc=nvcc, nvcc_version=nvcc_ver)
-            if home is None or nvcc is None:
-                raise StepFailed(
-                    Status.ERROR,
-                    f"CUDA home {'not found' if home is None else home + ' has no nvcc'}",
-                    f"CUDA home not found: set CUDA_HOME to a CUDA 13 toolkit with nvcc; "
-                    f"{backend.name} JIT-compiles its kernels at run time",
-                    data,
-                )
-            if not (Path(home) / "include" / "cuda_runtime.h").is_file():
-                raise StepFailed(
-                    Status.ERROR,
-                    f"CUDA home {home} ({how}) has no include/cuda_runtime.h",
-                    f"set CUDA_HOME to the CUDA 13 toolkit root (the directory holding bin/nvcc "
-                    f"and include/); {backend.name} JIT-compiles its kernels at run time",
-                    data,
-                )
-            notes.append(f"CUDA home {home} (nvcc {nvcc_ver})")
-        nccl = _facts.torch_facts()["nccl"] if rt.use_gpu else None
-        nccl_dist = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
-        data["nccl"] = nccl
-        data["nccl_dist"] = f"{nccl_dist[0]} {nccl_dist[1]}" if nccl_dist else None
-        if backend.min_nccl is not None:
-            ok = _facts.version_at_least(nccl, backend.min_nccl)
-            if ok is False:
-                need = ".".join(map(str, backend.min_nccl))
-                raise StepFailed(
-                    Status.ERROR,
-                    f"NCCL {nccl} loaded, {backend.name} needs >= {need}",
-                    _ep_detect.NCCL_FIX,
-                    data,
-                )
-        if nccl:
-            notes.append(f"NCCL {nccl}")
-        nvshmem = _facts.dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
-        mapped = _facts.mapped_libraries(r"^libnvshmem")
-        data["nvshmem_dist"] = f"{nvshmem[0]} {nvshmem[1]}" if nvshmem else None
-        data["nvshmem_dir"] = os.environ.get("NVSHMEM_DIR")
-        data["nvshmem_mapped"] = mapped
-        if backend.requires_gpu:
-            if mapped:
-                notes.append(f"NVSHMEM loaded ({os.path.basename(mapped[0])})")
-            elif nvshmem or data["nvshmem_dir"]:
-                notes.append(
-                    f"NVSHMEM {nvshmem[1] if nvshmem else data['nvshmem_dir']} present, not loaded"
-                    + (
-                        " (v1: internode/low-latency disabled)"
-                        if backend.name == "deepep_v1"
-                        else ""
-                    )
-                )
-            else:
-                notes.append("NVSHMEM not found")
+            _check_cuda_home(backend, data, notes, problems)
+        _check_nccl(rt, backend, data, notes, problems)
+        _report_nvshmem(backend, data, notes)
         step.data = data
         step.detail = "; ".join(notes)
+        if problems:
+            status, detail, hint = max(problems, key=lambda p: p[0].severity)
+            raise StepFailed(status, detail + " (" + step.detail + ")", hint, data)
     return agree(rt, step)
+
+
+Problems = list[tuple[Status, str, str]]
+
+
+def _check_gpus(
+    rt: Runtime, backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
+) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    data["gpus_visible"] = gpus
+    if not (backend.requires_gpu or rt.use_gpu):
+        notes.append("CPU over gloo (no GPU needed)")
+        return
+    if gpus == 0:
+        problems.append(
+            (
+                Status.SKIP,
+                f"{backend.name} needs a GPU and none is visible",
+                "no GPU visible: run on a GPU node or pass --backend torch",
+            )
+        )
+        notes.append("no GPU")
+        return
+    if gpus < rt.env.local_world:
+        problems.append(
+            (
+                Status.SKIP,
+                f"{rt.env.local_world} local ranks but only {gpus} GPUs visible",
+                "start at most one rank per GPU (torchrun --nproc-per-node <= GPUs)",
+            )
+        )
+    data["gpu"] = torch.cuda.get_device_name(rt.device) if rt.use_gpu else None
+    notes.append(f"{gpus}x {data['gpu'] or 'GPU'}")
+
+
+def _check_cuda_home(
+    backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
+) -> None:
+    home, how = _facts.cuda_home()
+    nvcc, nvcc_ver = _facts.nvcc_version(home)
+    data.update(cuda_home=home, cuda_home_from=how, nvcc=nvcc, nvcc_version=nvcc_ver)
+    why = f"{backend.name} JIT-compiles its kernels at run time"
+    if home is None or nvcc is None:
+        problems.append(
+            (
+                Status.ERROR,
+                f"CUDA home {'not found' if home is None else home + ' has no nvcc'}",
+                f"CUDA home not found: set CUDA_HOME to a CUDA 13 toolkit with nvcc; {why}",
+            )
+        )
+        notes.append("no CUDA home/nvcc")
+        return
+    if not (Path(home) / "include" / "cuda_runtime.h").is_file():
+        problems.append(
+            (
+                Status.ERROR,
+                f"CUDA home {home} ({how}) has no include/cuda_runtime.h",
+                "set CUDA_HOME to the CUDA 13 toolkit root (the directory holding bin/nvcc "
+                f"and include/); {why}",
+            )
+        )
+    notes.append(f"CUDA home {home} (nvcc {nvcc_ver})")
+
+
+def _check_nccl(
+    rt: Runtime, backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
+) -> None:
+    nccl = _facts.torch_facts()["nccl"] if rt.use_gpu else None
+    nccl_dist = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+    data["nccl"] = nccl
+    data["nccl_dist"] = f"{nccl_dist[0]} {nccl_dist[1]}" if nccl_dist else None
+    if nccl:
+        notes.append(f"NCCL {nccl}")
+    if backend.min_nccl is not None and _facts.version_at_least(nccl, backend.min_nccl) is False:
+        need = ".".join(map(str, backend.min_nccl))
+        problems.append(
+            (
+                Status.ERROR,
+                f"NCCL {nccl} loaded, {backend.name} needs >= {need}",
+                _ep_detect.NCCL_FIX,
+            )
+        )
+
+
+def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) -> None:
+    """NVSHMEM is reported, not required: the intranode paths checked here do not use it.
+
+    DeepEP v1 (and the hybrid-ep branch's v1 kernels) silently build without NVSHMEM when
+    neither NVSHMEM_DIR nor the nvidia-nvshmem wheel was there at build time, which disables
+    their internode and low-latency kernels; whether the extension links libnvshmem_host
+    tells which build this is.
+    """
+    nvshmem = _facts.dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
+    data["nvshmem_dist"] = f"{nvshmem[0]} {nvshmem[1]}" if nvshmem else None
+    data["nvshmem_dir"] = os.environ.get("NVSHMEM_DIR")
+    data["nvshmem_mapped"] = _facts.mapped_libraries(r"^libnvshmem")
+    if not backend.requires_gpu:
+        return
+    found = nvshmem[1] if nvshmem else data["nvshmem_dir"]
+    text = f"NVSHMEM {found}" if found else "NVSHMEM not found"
+    extension = _facts.extension_path("deep_ep_cpp") if backend.name in _NVSHMEM_BUILDS else None
+    if extension:
+        linked = _facts.file_contains(extension, b"libnvshmem_host")
+        data["nvshmem_linked_by"] = extension if linked else None
+        text += (
+            ", linked by deep_ep_cpp"
+            if linked
+            else ", not linked by deep_ep_cpp (built without it: internode and low-latency "
+            "kernels disabled)"
+        )
+    notes.append(text)
+
+
+_NVSHMEM_BUILDS = ("deepep_v1", "hybridep")
 
 
 def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:

@@ -590,3 +590,15 @@ def test_hybridep_routing_map_conversion() -> None:
     idx, w = _routing_map_to_topk(routing, probs, topk=4)
     assert idx.tolist() == [[0, 2, -1, -1], [2, -1, -1, -1], [-1, -1, -1, -1]]
     assert w.tolist() == [[0.5, 0.25, 0.0, 0.0], [0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_file_contains_finds_needles_across_chunk_borders(tmp_path: Path) -> None:
+    """How the probe tells a v1 build with NVSHMEM (links libnvshmem_host) from one without."""
+    import _facts
+
+    lib = tmp_path / "deep_ep_cpp.so"
+    lib.write_bytes(b"\0" * 10 + b"libnvshmem_host.so.3" + b"\0" * 10)
+    for chunk in (4, 7, 16, 1 << 20):
+        assert _facts.file_contains(str(lib), b"libnvshmem_host", chunk=chunk)
+    assert not _facts.file_contains(str(lib), b"libnccl", chunk=8)
+    assert not _facts.file_contains(str(tmp_path / "absent.so"), b"x")
