@@ -46,6 +46,7 @@ import ep_backends  # sibling module: scripts/ is not a package
 
 INFO_FILE = "ep-backend.json"
 TE_DISTRIBUTION = "transformer-engine"
+TE_EXTRA = "te"  # TE's runtime dependencies and cuDNN, from the lock
 EXIT_BUILD_FAILED = 1
 EXIT_USAGE = 2
 _GIT_FAILURE_SIGNS = ("git operation failed", "failed to clone", "failed to fetch commit")
@@ -190,9 +191,13 @@ def create_venv(uv: str, venv: Path, python: str | None, project: Path) -> None:
 
 
 def sync_backend(
-    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str]
+    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str], te: bool
 ) -> None:
-    """``uv sync --frozen`` of the backend's extra into ``venv`` (bytecode: compile_bytecode)."""
+    """``uv sync --frozen`` of the backend's extra into ``venv`` (bytecode: compile_bytecode).
+
+    With ``te``, also the ``te`` extra: TE's runtime dependencies and the cuDNN it was built
+    against come from the lock, and only TE itself from the prebuilt wheel.
+    """
     env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
     env.pop("UV_COMPILE_BYTECODE", None)
     cmd = [
@@ -204,6 +209,7 @@ def sync_backend(
         str(project),
         "--extra",
         backend.extra,
+        *(["--extra", TE_EXTRA] if te else []),
     ]
     for package in [TE_DISTRIBUTION, *skip]:
         cmd += ["--no-install-package", package]
@@ -375,7 +381,9 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
     temp = new_temp_dir(opts.prefix, name)
     try:
         create_venv(uv, temp, opts.python, opts.project)
-        sync_backend(uv, temp, backend, opts.project, opts.no_install_packages)
+        sync_backend(
+            uv, temp, backend, opts.project, opts.no_install_packages, te=bool(opts.te_wheels)
+        )
         install_te(uv, temp, opts.te_wheels)
         if opts.compile_bytecode:
             compile_bytecode(temp)

@@ -86,6 +86,18 @@ def test_moe_is_deepep_v2_plus_training_stack() -> None:
     assert not packages & {"tokenspeed-deepep", "deep-ep"}
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_te_extra_combines_with_every_backend(backend: str) -> None:
+    """TE is not a backend: `--extra <backend> --extra te` resolves without a conflict."""
+    packages = exported_packages(backend, "te")
+    assert {
+        BACKEND_DIST[backend],
+        "transformer-engine",
+        "nvidia-cudnn-cu13",
+        "pydantic",
+    } <= packages
+
+
 def test_source_built_packages_are_pinned_to_full_commits(lock: dict) -> None:
     sources = {p["name"]: p["source"] for p in lock["package"] if "git" in p["source"]}
     assert set(sources) == {"deep-ep", "transformer-engine"}
