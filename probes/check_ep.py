@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _ep_detect
 import _facts
+import _supervise
 from _report import (
     EXIT_MISSING,
     EXIT_OK,
@@ -360,6 +362,24 @@ def launch_local(nproc: int, argv: list[str], timeout: float) -> int:
     return _wait_ranks([p.pid for p in procs], timeout)
 
 
+def _stop(pids: list[int], codes: dict[int, int], grace: float = 10.0) -> None:
+    """SIGTERM the ranks still running (their supervisors pass it on), SIGKILL after ``grace``."""
+    left = [pid for pid in pids if pid not in codes]
+    for pid in left:
+        os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while left and time.monotonic() < end:
+        for pid in list(left):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+                left.remove(pid)
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 def _wait_ranks(pids: list[int], timeout: float) -> int:
     """Wait for the ranks; when one ends badly, give the rest ``timeout`` + 30 s, then kill."""
     codes: dict[int, int] = {}
@@ -374,10 +394,7 @@ def _wait_ranks(pids: list[int], timeout: float) -> int:
                 if codes[pid] != 0 and deadline is None:
                     deadline = time.monotonic() + timeout + 30
         if deadline is not None and time.monotonic() > deadline:
-            for pid in pids:
-                if pid not in codes:
-                    os.kill(pid, 9)
-                    codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            _stop(pids, codes)
         time.sleep(0.05)
     return merge_exit_codes(list(codes.values()))
 
@@ -1243,6 +1260,53 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         steps = [sel.verdict] + [not_run(n, sel.verdict) for n in STEP_NAMES[1:]]
         return finish(args, env, sel, steps, {}, exit_code_of(steps, args.require))
 
+    # The backend runs in a supervised child: a segfault in its native code becomes a
+    # report (exit 3) instead of a silent death.
+    code, crash = _supervise.run_supervised(lambda: _worker(args, env, sel))
+    if crash is not None:
+        return report_crash(args, env, sel, crash)
+    return code
+
+
+def _worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
+    """The supervised child: bad usage is still one line and exit 2 here."""
+    try:
+        return run_worker(args, env, sel)
+    except UsageError as exc:
+        if env.rank == 0:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def report_crash(
+    args: argparse.Namespace, env: RankEnv, sel: Selection, crash: _supervise.Crash
+) -> int:
+    """The child died by a signal: report the step it was in as ERROR (exit 3)."""
+    state = crash.progress
+    done = [Step.from_json(obj) for obj in state.get("steps", [])]
+    current = state.get("current") or STEP_NAMES[min(len(done), len(STEP_NAMES) - 1)]
+    where = f" at {crash.where}" if crash.where else ""
+    step = Step(
+        current,
+        Status.ERROR,
+        detail=f"rank {env.rank} died with {crash.signal_name} during {current}{where}",
+        hint="the backend crashed in native code (Python stack above): run its own tests on "
+        "this machine, check that it was built for this torch, CUDA and NCCL, and report it "
+        "with this JSON",
+    )
+    index = STEP_NAMES.index(current) if current in STEP_NAMES else len(done)
+    steps = [*done[:index], step, *(not_run(n, step) for n in STEP_NAMES[index + 1 :])]
+    if crash.fault_log:
+        print(crash.fault_log.rstrip(), file=sys.stderr)
+    if env.rank != 0:
+        print(f"{PROG}: {step.detail}", file=sys.stderr)
+    sel.name = state.get("backend", sel.name)
+    return finish(args, env, sel, steps, state.get("meta", {}), EXIT_UNUSABLE)
+
+
+def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
+    """Import torch and the backend, set up the process groups, run the steps, report."""
+    _supervise.progress.update(backend=sel.name, current="import", steps=[])
     import ep_adapters
     import torch
 
@@ -1280,6 +1344,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     rt = init_distributed(env, use_gpu, args.timeout)
     shape = ep_adapters.Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
     meta = {"device": str(rt.device), "dtype": dtype_name, "shape": sizes, "seed": args.seed}
+    _supervise.progress.update(backend=sel.name, meta=meta)
     steps: list[Step] = []
     try:
         steps = run_steps(rt, sel, backend, shape, args)
@@ -1307,6 +1372,10 @@ def run_steps(
 ) -> list[Step]:
     steps: list[Step] = []
 
+    def begin(name: str) -> None:
+        """Leave a breadcrumb: if the backend kills the process, the supervisor says where."""
+        _supervise.progress.update(current=name, steps=[s.to_json() for s in steps])
+
     def gate_failed(step: Step) -> bool:
         steps.append(step)
         if step.status != Status.PASS:
@@ -1314,25 +1383,30 @@ def run_steps(
             return True
         return False
 
+    begin("import")
     if gate_failed(step_import(rt, sel, backend)):
         return steps
+    begin("prerequisites")
     if gate_failed(step_prerequisites(rt, backend)):
         return steps
+    begin("buffer")
     if gate_failed(step_buffer(rt, backend, shape)):
         return steps
+    begin("dispatch_combine")
     with timed_step("dispatch_combine") as prep:
         ctx = prepare_checks(rt, shape, args)
     if prep.status != Status.PASS:
         prep.detail = "preparing the reference failed: " + prep.detail
         gate_failed(agree(rt, prep))
         return steps
-    checks: list[Callable[[], Step]] = [
-        lambda: step_dispatch_combine(rt, backend, ctx),
-        lambda: step_backward(rt, backend, ctx, args.seed),
-        lambda: step_replay(rt, backend, ctx, args.replays),
-        lambda: step_bandwidth(rt, backend, ctx, args),
+    checks: list[tuple[str, Callable[[], Step]]] = [
+        ("dispatch_combine", lambda: step_dispatch_combine(rt, backend, ctx)),
+        ("backward", lambda: step_backward(rt, backend, ctx, args.seed)),
+        ("replay", lambda: step_replay(rt, backend, ctx, args.replays)),
+        ("bandwidth", lambda: step_bandwidth(rt, backend, ctx, args)),
     ]
-    for check in checks:
+    for name, check in checks:
+        begin(name)
         step = check()
         steps.append(step)
         if step.status == Status.ERROR:

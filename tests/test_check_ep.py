@@ -214,6 +214,26 @@ def test_backend_that_raises_is_unusable(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_backend_that_segfaults_is_reported_not_inherited(tmp_path: Path, world: int) -> None:
+    """A crash in native code (HybridEP's constructor did this on a GPU) still gives a report."""
+    proc, report = run_probe(
+        tmp_path, "--backend-class", f"{BROKEN}:SegfaultsInBuffer", *SMALL, *QUICK, nproc=world
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert report is not None, "the supervisor must still write the JSON report"
+    s = statuses(report)
+    assert s["import"] == s["prerequisites"] == "pass"
+    assert s["buffer"] == "error"
+    assert all(s[n] == "not run" for n in check_ep.STEP_NAMES[3:])
+    detail = step(report, "buffer")["detail"]
+    assert "died with SIGSEGV during buffer" in detail
+    assert "broken_backends.py" in detail and "in create" in detail
+    assert "native code" in step(report, "buffer")["hint"]
+    assert "Fatal Python error: Segmentation fault" in proc.stderr  # the stack, for the report
+    assert "result: unusable (exit 3)" in proc.stdout
+
+
 # ---------------------------------------------------------------------------------------
 # Missing, skipped, required
 # ---------------------------------------------------------------------------------------
