@@ -306,6 +306,14 @@ def cudnn_version_at(path: str) -> tuple[int | None, str | None]:
 
 
 DEFAULT_TE_BUILD_INFO = "/opt/venvs/te-build.json"
+# Names under which a Transformer Engine install may be registered (source build or PyPI parts).
+TE_DISTRIBUTIONS = (
+    "transformer-engine",
+    "transformer_engine",
+    "transformer-engine-torch",
+    "transformer-engine-cu13",
+    "transformer-engine-cu12",
+)
 
 
 def te_build_info_path(flag: str | None = None) -> str:

@@ -36,13 +36,6 @@ from _report import (
 )
 
 PROG = "check_env"
-TE_DISTRIBUTIONS = (
-    "transformer-engine",
-    "transformer_engine",
-    "transformer-engine-torch",
-    "transformer-engine-cu13",
-    "transformer-engine-cu12",
-)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,7 +101,7 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
             "nvcc_version": nvcc_version,
         },
         "transformer_engine": {
-            "dist": _dist(*TE_DISTRIBUTIONS),
+            "dist": _dist(*_facts.TE_DISTRIBUTIONS),
             "module_dir": str(te_dir) if te_dir else None,
             "build_info_path": build_info_path,
             "build_info": build_info,

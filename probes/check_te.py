@@ -49,13 +49,6 @@ from _report import (
 
 PROG = "check_te"
 STEP_NAMES = ("import", "cudnn", "fused_attention", "linear")
-TE_DISTRIBUTIONS = (
-    "transformer-engine",
-    "transformer_engine",
-    "transformer-engine-torch",
-    "transformer-engine-cu13",
-    "transformer-engine-cu12",
-)
 #: Only TE's fused (cuDNN) attention backend may run: the one the cuDNN mismatch breaks.
 FUSED_ONLY_ENV = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
 #: Relative difference (||out - ref|| / ||ref||) accepted against fp32 torch.
@@ -209,7 +202,7 @@ def step_import() -> tuple[Step, Any]:
     """Import TE's torch API; MISSING when TE is not installed at all."""
     te = None
     with timed_step("import") as step:
-        found = _facts.dist_version(*TE_DISTRIBUTIONS)
+        found = _facts.dist_version(*_facts.TE_DISTRIBUTIONS)
         module_dir = _facts.module_dir("transformer_engine")
         step.data = {
             "distribution": found[0] if found else None,
