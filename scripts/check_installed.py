@@ -22,19 +22,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# What identifies each backend's `deep_ep` on disk: the distribution that may provide it and a
-# file that only that layout has.
-BACKEND_DISTS: dict[str, tuple[str, ...]] = {
-    "deepep_v1": ("tokenspeed-deepep",),
-    "deepep_v2": ("sgl-deep-ep", "tokenspeed-deepep"),
-    "hybridep": ("deep-ep",),
-}
-BACKEND_MARKERS: dict[str, str] = {
-    "deepep_v1": "deep_ep/buffer.py",
-    "deepep_v2": "deep_ep/buffers/elastic.py",
-    "hybridep": "deep_ep/hybrid_ep_buffer.py",
-}
-ALL_DEEP_EP_DISTS = ("tokenspeed-deepep", "sgl-deep-ep", "deep-ep")
+import ep_backends  # sibling module: scripts/ is not a package
+
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
 SYSTEM_DIRS = ("/lib64", "/usr/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu")
@@ -170,12 +159,14 @@ def check(venv: Path, backend: str) -> Report:
     site = find_site_packages(venv)
     report.site_packages = str(site)
     dists = installed_distributions(site)
-    present = {d: dists[d] for d in ALL_DEEP_EP_DISTS if d in dists}
+    registry = ep_backends.load_registry()
+    wanted = registry[backend]
+    shippers = {b.distribution for b in registry.values()}
+    present = {d: dists[d] for d in sorted(shippers) if d in dists}
     report.distributions = present
-    expected = [d for d in BACKEND_DISTS[backend] if d in present]
-    if not expected:
+    if wanted.distribution not in present:
         report.problems.append(
-            f"no distribution of {backend} ({' or '.join(BACKEND_DISTS[backend])}) installed: "
+            f"no distribution of {backend} ({wanted.distribution}) installed: "
             f"sync with `uv sync --extra {backend}`"
         )
     if len(present) > 1:
@@ -183,11 +174,11 @@ def check(venv: Path, backend: str) -> Report:
             f"several distributions ship deep_ep ({', '.join(present)}): they overwrite each "
             "other; make one venv per backend"
         )
-    marker = site / BACKEND_MARKERS[backend]
+    marker = site / wanted.marker_file
     report.marker = str(marker)
     if not marker.is_file():
         report.problems.append(
-            f"{BACKEND_MARKERS[backend]} missing: deep_ep here is not {backend}'s layout"
+            f"{wanted.marker_file} missing: deep_ep here is not {backend}'s layout"
         )
     resolve_extensions(site, report)
     report.status = "problems found" if report.problems else "installed, not yet proven to work"
@@ -220,14 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--venv", type=Path, required=True, help="the venv to inspect")
-    parser.add_argument("--backend", required=True, help=f"one of {', '.join(BACKEND_DISTS)}")
+    parser.add_argument("--backend", required=True, help=f"one of {ep_backends.valid_names_text()}")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
-    if args.backend not in BACKEND_DISTS:
-        print(
-            f"error: unknown backend {args.backend!r}; valid: {', '.join(BACKEND_DISTS)}",
-            file=sys.stderr,
-        )
+    try:
+        ep_backends.validate_backend(args.backend)
+    except ep_backends.UnknownBackendError as error:
+        print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:
         report = check(args.venv, args.backend)
