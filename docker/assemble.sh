@@ -29,7 +29,6 @@ python3 /src/scripts/dedup.py --json "$prefix/dedup.json" "$@"
 install -m 0755 /src/scripts/use-ep /usr/local/bin/use-ep
 EP_PREFIX=$prefix use-ep --activate "$active" >/dev/null
 
-cp /te/te-build.json "$prefix/te-build.json"
 python3 /src/docker/stage_cudnn.py --prefix "$prefix" --scripts /src/scripts
 
 if printf '%s\n' "$selected" | grep -qx hybridep; then

@@ -4,20 +4,23 @@
 # that an image holding one backend never builds the others).
 #
 # Inputs (environment): EP, VENV_SKIP_PACKAGES, UV_PYTHON, TORCH_CUDA_ARCH_LIST, MAX_JOBS; /src
-# holds pyproject.toml, uv.lock and scripts/; /te holds the TE wheel from the `te` stage (none
-# when TE_BUILD=skip). The venv is hardlink-deduplicated here, in the layer that creates it.
+# holds pyproject.toml, uv.lock and scripts/; /opt/te holds the TE wheel from the `te` stage
+# (none when TE_BUILD=skip). The venv is hardlink-deduplicated here, in the layer that creates
+# it. /opt/ep-stage/BACKEND.json records what the stage did.
 set -eu
 
 backend=$1
 prefix=/opt/venvs
-mkdir -p "$prefix"
+mkdir -p "$prefix" /opt/ep-stage
+record=/opt/ep-stage/$backend.json
 if ! select-ep "$EP" | grep -qx "$backend"; then
     echo "ep-stage: EP=$EP does not select $backend; nothing to build"
+    printf '{"backend": "%s", "selected": false, "ep": "%s"}\n' "$backend" "$EP" > "$record"
     exit 0
 fi
 
 set --
-for wheel in /te/transformer_engine-*.whl; do
+for wheel in /opt/te/transformer_engine-*.whl; do
     [ -f "$wheel" ] && set -- "$@" --te-wheel "$wheel"
 done
 [ $# -gt 0 ] || echo "ep-stage: no TE wheel (TE_BUILD=skip): $backend gets no transformer-engine"
@@ -47,3 +50,4 @@ fi
 python3 /src/scripts/make_venv.py --backend "$backend" --prefix "$prefix" --project /src \
     --python "$UV_PYTHON" "$@"
 python3 /src/scripts/dedup.py "$prefix/$backend"
+printf '{"backend": "%s", "selected": true, "ep": "%s"}\n' "$backend" "$EP" > "$record"

@@ -25,10 +25,11 @@ if [ "$TE_BUILD" != build ]; then
 fi
 
 # The environment TE compiles against: the lock's moe extra (torch, cuDNN, cudnn-frontend, NCCL,
-# NVSHMEM), without TE itself, exactly as the backend venvs get it.
+# NVSHMEM), without TE itself, exactly as the backend venvs get it (no bytecode: it lives only
+# for this RUN).
 venv=/tmp/te-venv
 uv venv --python "$UV_PYTHON" "$venv"
-UV_PROJECT_ENVIRONMENT=$venv uv sync --frozen --no-install-project --project "$project" \
+UV_PROJECT_ENVIRONMENT=$venv UV_COMPILE_BYTECODE=0 uv sync --frozen --no-install-project --project "$project" \
     --extra moe --no-install-package transformer-engine
 
 # TE source: the TE_SOURCE context directory if it holds a checkout, else a clone of the git
