@@ -23,6 +23,7 @@ survives: torchrun turns every failure into 1). See docs/probes.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -491,14 +492,34 @@ def init_distributed(env: RankEnv, use_gpu: bool, timeout: float) -> Runtime:
     return Runtime(env, device, use_gpu, dist.group.WORLD, ctrl, timeout)
 
 
+def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order.
+
+    Not ``dist.all_gather_object``: that decodes through ``Tensor.numpy()``, and the backend
+    venvs (and images) hold no numpy. Bytes travel as uint8 tensors over the gloo group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    chunks = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(chunks, padded, group=group)
+    return [
+        json.loads(bytes(chunk[: int(n.item())].tolist()).decode())
+        for chunk, n in zip(chunks, sizes, strict=True)
+    ]
+
+
 def agree(
     rt: Runtime, step: Step, summarize: Callable[[Step, list[Step]], None] | None = None
 ) -> Step:
     """Merge one step over all ranks: worst status wins, its first rank's detail is shown."""
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * rt.env.world
-    dist.all_gather_object(gathered, step.to_json(), group=rt.ctrl_group)
+    gathered = all_gather_json(step.to_json(), rt.ctrl_group, rt.env.world)
     per_rank = [Step.from_json(obj) for obj in gathered]
     status = worst(s.status for s in per_rank)
     merged = Step(step.name, status, seconds=max(s.seconds for s in per_rank))

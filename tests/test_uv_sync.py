@@ -64,6 +64,31 @@ def test_sync_backend_extra_installs_its_backend(backend: str, tmp_path: Path) -
         assert libs.get("libcuda.so.1") == "GPU driver (host, at run time)"
 
 
+def run_probe(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    probe = ROOT / "probes" / "check_ep.py"
+    python = str(venv / "bin" / "python")
+    return subprocess.run([python, str(probe), *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_probe_runs_inside_a_backend_venv(tmp_path: Path) -> None:
+    """The probe must work with only what a backend venv holds (no numpy, no pytest)."""
+    venv = tmp_path / "deepep_v2"
+    assert sync(venv, "deepep_v2").returncode == 0
+    assert not list(venv.glob("lib/python3.*/site-packages/numpy")), "numpy crept in"
+    report = tmp_path / "torch.json"
+    torch_run = run_probe(
+        venv, "--backend", "torch", "--nproc-per-node", "2", "--json", str(report)
+    )
+    assert torch_run.returncode == 0, torch_run.stdout + torch_run.stderr
+    assert json.loads(report.read_text())["world_size"] == 2
+    # auto finds DeepEP v2 here; without a GPU that is "cannot run here", never a crash.
+    auto = run_probe(venv, "--json", str(tmp_path / "auto.json"))
+    assert auto.returncode == 5, auto.stdout + auto.stderr
+    assert "deepep_v2" in auto.stdout
+    assert "--backend torch" in auto.stdout
+
+
 @pytest.mark.slow
 def test_sync_moe_installs_default_backend_and_cudnn(tmp_path: Path) -> None:
     """moe without TE's git build (the image builds TE once: scripts/build_te.py)."""
