@@ -24,12 +24,12 @@ for backend in $selected; do
     cp -a "$venv" "$prefix/$backend"
     set -- "$@" "$prefix/$backend"
 done
-python3 /src/scripts/dedup.py --json "$prefix/dedup.json" "$@"
+python3 /opt/ep-image/scripts/dedup.py --json "$prefix/dedup.json" "$@"
 
-install -m 0755 /src/scripts/use-ep /usr/local/bin/use-ep
+ln -sf /opt/ep-image/scripts/use-ep /usr/local/bin/use-ep
 EP_PREFIX=$prefix use-ep --activate "$active" >/dev/null
 
-python3 /src/docker/stage_cudnn.py --prefix "$prefix" --scripts /src/scripts
+python3 /opt/ep-image/docker/stage_cudnn.py --prefix "$prefix" --scripts /opt/ep-image/scripts
 
 if printf '%s\n' "$selected" | grep -qx hybridep; then
     # HybridEP was linked with rpath /opt/nvshmem/nvidia/nvshmem/lib (docker/ep-stage.sh):
@@ -54,8 +54,9 @@ record = {
 (Path(prefix) / "image.json").write_text(json.dumps(record, indent=2) + "\n")
 PY
 
-if [ -f /src/probes/check_env.py ]; then
-    if ! "$prefix/active/bin/python" /src/probes/check_env.py --json "$prefix/env-manifest.json"
+probes=/opt/ep-image/probes
+if [ -f "$probes/check_env.py" ]; then
+    if ! "$prefix/active/bin/python" "$probes/check_env.py" --json "$prefix/env-manifest.json"
     then
         echo "assemble: warning: probes/check_env.py failed; env-manifest.json may be partial" >&2
     fi

@@ -50,4 +50,6 @@ fi
 python3 /src/scripts/make_venv.py --backend "$backend" --prefix "$prefix" --project /src \
     --python "$UV_PYTHON" "$@"
 python3 /src/scripts/dedup.py "$prefix/$backend"
-printf '{"backend": "%s", "selected": true, "ep": "%s"}\n' "$backend" "$EP" > "$record"
+# The record embeds ep-backend.json (lock hash, creation time), so it changes with the venv.
+printf '{"backend": "%s", "selected": true, "ep": "%s", "ep_backend": %s}\n' \
+    "$backend" "$EP" "$(cat "$prefix/$backend/ep-backend.json")" > "$record"

@@ -128,7 +128,7 @@ def record(prefix: Path, runtime: dict[str, object]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
-    parser.add_argument("--scripts", type=Path, default=Path("/src/scripts"))
+    parser.add_argument("--scripts", type=Path, default=Path("/opt/ep-image/scripts"))
     args = parser.parse_args(argv)
     runtime = stage(args.prefix, args.scripts)
     record(args.prefix, runtime)

@@ -352,6 +352,8 @@ print("PROBE " + json.dumps({
     "marker": (next(Path(sys.prefix).glob("lib/python3*/site-packages"))
                / backend["marker_file"]).is_file(),
     "manifest": (prefix / "env-manifest.json").is_file(),
+    "probes": sorted(p.name for p in Path("/opt/ep-image/probes").glob("check_*.py")),
+    "stages": sorted(p.name for p in Path("/etc/ep-image/stages").glob("*.json")),
     "te_build": json.loads(Path(os.environ["EP_TE_BUILD_INFO"]).read_text()),
     "cudnn_loaded": maps[0] if maps else None,
     "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
@@ -400,6 +402,8 @@ def test_multi_backend_image(
     assert data["dist"] == ["sgl-deep-ep", "0.1.2.post1"]
     assert data["marker"] is True
     assert data["manifest"] is True  # probes/check_env.py ran in the final stage
+    assert "check_ep.py" in data["probes"]  # the probes ship in the image
+    assert data["stages"] == ["deepep_v1.json", "deepep_v2.json", "hybridep.json"]
     # Deduplicated in the layer that copied them: torch is one inode shared by both venvs.
     inodes = data["torch_inodes"]
     assert inodes["deepep_v1"][0] == inodes["deepep_v2"][0]
@@ -439,7 +443,7 @@ def test_multi_backend_image(
 @pytest.mark.slow
 def test_switching_backend_in_a_multi_backend_image(buildah: Buildah, multi_build: Build) -> None:
     script = (
-        'EP_BACKEND=deepep_v1 /usr/local/bin/ep-entrypoint sh -c '
+        'EP_BACKEND=deepep_v1 /opt/ep-image/docker/ep-entrypoint sh -c '
         '\'echo "ENTRY $EP_BACKEND $(python -c "import sys; print(sys.prefix)")"\';'
         'eval "$(use-ep --activate deepep_v1)";'
         'echo "SWITCHED $EP_BACKEND $(readlink /opt/venvs/active) '
