@@ -17,7 +17,8 @@ code  meaning
       skipped; ``--require`` turns it into 1
 ====  =========================================================================
 
-When several steps end badly the most severe one decides: 4 > 3 > 1 > 5 > 0.
+When several steps end badly the most severe one decides: 4 > 3 > 1 > 5 > 0; merging the
+codes of several processes puts bad usage (2) above all, since nothing was checked then.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,20 @@ _SEVERITY = {
     Status.ERROR: 3,
     Status.MISSING: 4,
 }
+
+
+#: Exit codes from least to most severe, for merging the codes of several ranks.
+_CODE_ORDER = (EXIT_OK, EXIT_SKIPPED, EXIT_FAILED, EXIT_UNUSABLE, EXIT_MISSING, EXIT_USAGE)
+
+
+def merge_exit_codes(codes: Iterable[int]) -> int:
+    """The most severe of several processes' exit codes; a crash (signal, unknown code) is 3."""
+    merged = EXIT_OK
+    for code in codes:
+        code = code if code in _CODE_ORDER else EXIT_UNUSABLE
+        if _CODE_ORDER.index(code) > _CODE_ORDER.index(merged):
+            merged = code
+    return merged
 
 
 def worst(statuses: Iterable[Status]) -> Status:
@@ -207,6 +222,7 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o644)  # a report is for others to read; mkstemp makes 0600
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(obj, fh, indent=2, sort_keys=False, default=str)
             fh.write("\n")
@@ -262,17 +278,6 @@ def build_report(
 
 class UsageError(Exception):
     """A bad flag or flag combination: the probe prints one line and exits 2."""
-
-
-def run_cli(main: Callable[[], int], prog: str) -> int:
-    """Call ``main``; a UsageError becomes one line on stderr and exit 2, never a traceback."""
-    try:
-        return main()
-    except UsageError as exc:
-        import sys
-
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
 
 
 class ProbeArgumentParser(argparse.ArgumentParser):

@@ -86,6 +86,8 @@ class EPBackend(abc.ABC):
     world_size_note: ClassVar[str] = ""
     #: Minimum NCCL version, if the backend needs one.
     min_nccl: ClassVar[tuple[int, int] | None] = None
+    #: Builds NCCL communicators from the group: cannot run with ranks sharing a GPU.
+    needs_nccl_group: ClassVar[bool] = False
 
     def load(self) -> dict[str, Any]:
         """Import what the backend needs; return facts for the report (module path...)."""
@@ -331,6 +333,7 @@ class DeepEPv2Backend(EPBackend):
     name = "deepep_v2"
     jit_compiles = True
     min_nccl = (2, 30)
+    needs_nccl_group = True
 
     def load(self) -> dict[str, Any]:
         self.deep_ep = _import_deep_ep()

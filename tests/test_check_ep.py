@@ -35,6 +35,8 @@ from fake_installs import fake_deep_ep  # noqa: E402
 # A small layer keeps 4 ranks on 2 cores fast; every check still runs on it.
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
 QUICK = ["--iters", "3", "--warmup", "1", "--replays", "2", "--timeout", "120"]
+# The steps that must pass before the checks run.
+GATES = ("import", "prerequisites", "buffer")
 
 needs_no_gpu = pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="checks the no-GPU paths"
@@ -192,7 +194,7 @@ def test_broken_backend_is_caught(
     assert phrase in step(report, expect_failed)["detail"]
     assert step(report, expect_failed)["hint"]
     # The gates passed: the fault is in the numbers, not in the set-up.
-    for gate in check_ep.GATES:
+    for gate in GATES:
         assert step(report, gate)["status"] == "pass"
     assert "fix:" in proc.stdout and "result: failed (exit 1)" in proc.stdout
     if cls == "LostTokens":  # one token short on every rank, and the table says which rank
@@ -536,12 +538,15 @@ def test_markers_and_distributions_match_the_build_registry() -> None:
 
 
 def test_merge_exit_codes() -> None:
-    assert check_ep.merge_exit_codes([0, 0]) == 0
-    assert check_ep.merge_exit_codes([0, 5]) == 5
-    assert check_ep.merge_exit_codes([5, 1]) == 1
-    assert check_ep.merge_exit_codes([1, 3]) == 3
-    assert check_ep.merge_exit_codes([3, 4, 0]) == 4
-    assert check_ep.merge_exit_codes([0, -9]) == 3  # a rank killed by a signal
+    from _report import merge_exit_codes
+
+    assert merge_exit_codes([0, 0]) == 0
+    assert merge_exit_codes([0, 5]) == 5
+    assert merge_exit_codes([5, 1]) == 1
+    assert merge_exit_codes([1, 3]) == 3
+    assert merge_exit_codes([3, 4, 0]) == 4
+    assert merge_exit_codes([0, -9]) == 3  # a rank killed by a signal
+    assert merge_exit_codes([4, 2]) == 2  # bad usage: nothing was checked
 
 
 def test_reference_catches_swapped_payload_and_wrong_expert() -> None:

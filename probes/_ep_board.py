@@ -1,0 +1,99 @@
+"""A notice board in the job's key-value store: how each rank's backend process ended.
+
+Why this module exists: when a backend kills one rank (a segfault, SIGKILL, ``os._exit``) the
+other ranks block in a collective with it, and under torchrun the launcher then tears every
+rank down, rank 0 included, before any of them can say what happened. So each rank's
+supervisor (which holds no backend state and survives the crash) posts its backend process's
+end here, and rank 0's supervisor reads the board to write one table and one JSON report
+that names the rank that failed first.
+
+The store is the one the ranks rendezvous through: torchrun's agent store when torchrun
+launched the job (``TORCHELASTIC_USE_AGENT_STORE``), otherwise one that rank 0's supervisor
+serves on ``MASTER_ADDR:MASTER_PORT``, which the backend processes then join as clients.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+class Board:
+    """One job's board: ``post`` this rank's outcome, ``read`` everyone's."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world = world
+
+    @classmethod
+    def prepare(cls, rank: int, world: int) -> bool:
+        """Before the backend process starts: make its env:// rendezvous use our store.
+
+        Returns whether this supervisor must serve the store itself (rank 0, no agent).
+        """
+        if world <= 1 or "MASTER_ADDR" not in os.environ:
+            return False
+        if os.environ.get(_AGENT_STORE_ENV) == "True":
+            return False
+        os.environ[_AGENT_STORE_ENV] = "True"  # inherited by the backend process
+        return rank == 0
+
+    @classmethod
+    def connect(cls, rank: int, world: int, serve: bool, timeout: float) -> Board | None:
+        """Join (or, with ``serve``, host) the store; None for one rank or without a store."""
+        if world <= 1 or "MASTER_ADDR" not in os.environ:
+            return None
+        import torch.distributed as dist
+
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=serve,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(store, f"ep_probe/{run}/{attempt}/", rank, world)
+
+    def post(self, outcome: dict[str, Any]) -> None:
+        """Publish this rank's outcome; a failure also bumps the shared failure count."""
+        try:
+            self.store.set(f"{self.prefix}rank{self.rank}", json.dumps(outcome))
+            if outcome.get("how") not in ("finished", "stopped"):
+                self.store.add(f"{self.prefix}failed", 1)
+        except Exception:  # the board is best effort: rank 0 may already be gone
+            pass
+
+    def failures(self) -> int:
+        """How many ranks have posted a failure so far."""
+        try:
+            return int(self.store.add(f"{self.prefix}failed", 0))
+        except Exception:
+            return 0
+
+    def read(self, wait: float) -> dict[int, dict[str, Any]]:
+        """Every posted outcome; waits up to ``wait`` seconds for ranks that have not posted."""
+        deadline = time.monotonic() + wait
+        found: dict[int, dict[str, Any]] = {}
+        while True:
+            for rank in range(self.world):
+                if rank in found:
+                    continue
+                key = f"{self.prefix}rank{rank}"
+                try:
+                    if self.store.check([key]):
+                        found[rank] = json.loads(self.store.get(key))
+                except Exception:
+                    return found
+            if len(found) == self.world or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)

@@ -1,0 +1,464 @@
+"""The checks of check_ep that run the backend's kernels: dispatch+combine, backward, replay,
+bandwidth.
+
+Why this module exists: these four steps are where a backend that imports and builds its
+buffer can still be wrong - a token routed to the wrong rank, one lost token, a wrong
+gradient, a replay that differs, a race that corrupts data only once calls come back to
+back. Each compares the backend's output with what ``_ep_reference`` derives from the inputs
+alone, token by token, and every call the probe makes (the timed ones too) is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from _ep_dist import SHARED_GPU_LABEL, Runtime, agree
+from _report import Status, Step, StepFailed, timed_step
+
+if TYPE_CHECKING:
+    from ep_adapters import EPBackend, Shape
+
+
+@dataclass
+class CheckContext:
+    """Inputs and independent expectations shared by the check steps."""
+
+    shape: Shape
+    local: int
+    inputs: Any
+    global_routing: Any
+    expected: Any
+    scales: Any
+    tolerance: float
+    expected_combine: Any  # [tokens, hidden] float32
+    column_weights: Any  # for payload checksums
+    expected_checksum: Any  # checksum of the rows this rank must receive
+
+
+def prepare_checks(rt: Runtime, shape: Shape, args: argparse.Namespace) -> CheckContext:
+    import _ep_reference as ref
+
+    inputs = ref.make_inputs(shape, rt.env.rank, args.seed)
+    g = ref.gather_global(inputs, rt.ep_group)
+    local = shape.local_experts(rt.env.world)
+    tol = args.tolerance if args.tolerance is not None else ref.tolerance_for(shape.dtype)
+    scales = ref.expert_scales(shape.experts, shape.device)
+    expected = ref.expected_for_rank(g, rt.env.rank, local)
+    weights = ref.column_weights(shape.hidden, shape.device)
+    return CheckContext(
+        shape=shape,
+        local=local,
+        inputs=inputs,
+        global_routing=g,
+        expected=expected,
+        scales=scales,
+        tolerance=tol,
+        expected_combine=ref.expected_combine(inputs, scales),
+        column_weights=weights,
+        expected_checksum=ref.payload_checksum(g.x[expected.rows], weights),
+    )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def sync(rt: Runtime) -> None:
+    if rt.use_gpu:
+        import torch
+
+        torch.cuda.synchronize(rt.device)
+
+
+def _expert_output(rt: Runtime, ctx: CheckContext, d: Any) -> Any:
+    """The stand-in experts applied to received rows: each row times its weighted scales."""
+    import _ep_reference as ref
+
+    scale = ref.row_scale(d.recv_topk_idx, d.recv_topk_weights, ctx.scales, rt.env.rank, ctx.local)
+    return (d.recv_x.float() * scale[:, None]).to(d.recv_x.dtype)
+
+
+def step_dispatch_combine(rt: Runtime, backend: EPBackend, ctx: CheckContext) -> Step:
+    """One dispatch and one combine, compared token by token with the reference."""
+    import _ep_reference as ref
+
+    with timed_step("dispatch_combine") as step:
+        inp = ctx.inputs
+        d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+        sync(rt)
+        check = ref.check_dispatch(d, ctx.global_routing, ctx.expected, ctx.local)
+        out = backend.combine(_expert_output(rt, ctx, d), d.handle)
+        sync(rt)
+        diffs = ref.per_token_rel_diff(out.float(), ctx.expected_combine)
+        diff, token = ref.worst_token(diffs)
+        over = int((diffs > ctx.tolerance).sum()) if diffs.numel() else 0
+        step.data = {
+            "received": check.received,
+            "expected": check.expected,
+            "per_expert": check.per_expert,
+            "expected_per_expert": check.expected_per_expert,
+            "rel_diff": diff,
+            "worst_token": token,
+            "tokens_over_tolerance": over,
+            "global_rel_diff": ref.rel_diff(out.float(), ctx.expected_combine),
+            "tolerance": ctx.tolerance,
+        }
+        problems = list(check.problems)
+        if not diff <= ctx.tolerance:
+            problems.append(
+                f"combine: {over} of {ctx.shape.tokens} tokens differ from the top-k weighted "
+                f"sum by more than {ctx.tolerance:g} (worst: token {token}, relative difference "
+                f"{diff:.3g}, {_dtype_name(ctx.shape.dtype)}): combine does not return the "
+                "top-k weighted sum"
+            )
+        if problems:
+            raise StepFailed(
+                Status.FAIL,
+                "; ".join(problems),
+                "the backend routes or reduces tokens wrongly; compare with --backend torch "
+                "and report it with this JSON",
+                step.data,
+            )
+        step.detail = f"{check.received} tokens received, counts match; rel diff {diff:.2g}"
+    return agree(rt, step, _summarize_dispatch_combine)
+
+
+def _summarize_dispatch_combine(merged: Step, per_rank: list[Step]) -> None:
+    datas = [s.data for s in per_rank]
+    if not all("received" in d for d in datas):
+        return
+    recv = [d["received"] for d in datas]
+    diff = max(d["rel_diff"] for d in datas)
+    merged.data.update(
+        received_per_rank=recv,
+        expected_per_rank=[d["expected"] for d in datas],
+        received_per_expert=[c for d in datas for c in d["per_expert"]],
+        max_rel_diff=diff,
+        tolerance=datas[0]["tolerance"],
+    )
+    if merged.status == Status.PASS:
+        merged.detail = (
+            f"tokens/rank {recv} match the reference; per-expert counts match; "
+            f"max per-token rel diff {diff:.2g} <= {datas[0]['tolerance']:g}"
+        )
+
+
+def _autograd_functions() -> tuple[Any, Any]:
+    """Dispatch and combine as autograd functions, built on the backend's own backward hooks."""
+    import torch
+
+    class DispatchFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, backend, topk_idx, topk_weights, box):  # type: ignore[override]
+            d = backend.dispatch(x, topk_idx, topk_weights)
+            box.append(d)
+            ctx.backend, ctx.handle = backend, d.handle
+            return d.recv_x
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            grad_x = ctx.backend.dispatch_backward(grad.contiguous(), ctx.handle)
+            return grad_x, None, None, None, None
+
+    class CombineFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, backend, handle):  # type: ignore[override]
+            ctx.backend, ctx.handle = backend, handle
+            return backend.combine(y, handle)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return ctx.backend.combine_backward(grad.contiguous(), ctx.handle), None, None
+
+    return DispatchFn, CombineFn
+
+
+def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int) -> Step:
+    """Gradient of sum(combine(expert(dispatch(x))) * g) w.r.t. x versus g * sum_k w_k s_k."""
+    import _ep_reference as ref
+    import torch
+
+    dispatch_fn, combine_fn = _autograd_functions()
+    with timed_step("backward") as step:
+        inp = ctx.inputs
+        x = inp.x.detach().clone().requires_grad_(True)
+        box: list[Any] = []
+        recv = dispatch_fn.apply(x, backend, inp.topk_idx, inp.topk_weights, box)
+        d = box[0]
+        scale = ref.row_scale(
+            d.recv_topk_idx, d.recv_topk_weights, ctx.scales, rt.env.rank, ctx.local
+        )
+        y = (recv.float() * scale[:, None]).to(recv.dtype)
+        out = combine_fn.apply(y, backend, d.handle)
+        gen = torch.Generator(device=ctx.shape.device)
+        gen.manual_seed(seed * 1_000_003 + 7919 * (rt.env.rank + 1))
+        g = torch.randn(out.shape, generator=gen, device=ctx.shape.device)
+        (out.float() * g).sum().backward()
+        sync(rt)
+        expected = g * ref.token_scale(inp, ctx.scales)[:, None]
+        if x.grad is None:
+            diff, token = float("inf"), -1
+        else:
+            diff, token = ref.worst_token(ref.per_token_rel_diff(x.grad.float(), expected))
+        step.data = {"grad_rel_diff": diff, "worst_token": token, "tolerance": ctx.tolerance}
+        if not diff <= ctx.tolerance:
+            raise StepFailed(
+                Status.FAIL,
+                f"gradient w.r.t. the tokens has relative difference {diff:.3g} > "
+                f"{ctx.tolerance:g} from g * sum_k w_k * scale_k (worst: token {token})",
+                "the backward of dispatch (a combine) or of combine (a cached dispatch) is "
+                "wrong; training with this backend would learn from wrong gradients",
+                step.data,
+            )
+        step.detail = f"grad rel diff {diff:.2g}"
+    return agree(rt, step, _summarize_backward)
+
+
+def _summarize_backward(merged: Step, per_rank: list[Step]) -> None:
+    diffs = [s.data.get("grad_rel_diff") for s in per_rank]
+    if all(d is not None for d in diffs):
+        merged.data["max_grad_rel_diff"] = max(diffs)
+        if merged.status == Status.PASS:
+            merged.detail = (
+                f"d/dx sum(combine(dispatch(x)) * g) matches the analytic gradient; "
+                f"max per-token rel diff {max(diffs):.2g} <= {per_rank[0].data['tolerance']:g}"
+            )
+
+
+def step_replay(rt: Runtime, backend: EPBackend, ctx: CheckContext, replays: int) -> Step:
+    """Dispatch the same routing again: rows, counts and every payload bit must not change."""
+    import _ep_reference as ref
+
+    with timed_step("replay") as step:
+        inp = ctx.inputs
+        rows: list[int] = []
+        per_expert: list[list[int]] = []
+        payload_bad: list[int] = []
+        for call in range(replays + 1):
+            d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+            sync(rt)
+            rows.append(int(d.recv_x.shape[0]))
+            per_expert.append([int(c) for c in d.num_recv_per_expert])
+            check = ref.check_dispatch(d, ctx.global_routing, ctx.expected, ctx.local)
+            if check.problems:
+                payload_bad.append(call)
+        want = int(ctx.expected.rows.numel())
+        step.data = {
+            "rows_per_call": rows,
+            "expected_rows": want,
+            "per_expert_per_call": per_expert,
+            "calls_with_wrong_tokens": payload_bad,
+        }
+        problems = []
+        if len(set(rows)) > 1:
+            problems.append(
+                f"dispatch returned {rows[0]} rows first and {rows[1:]} on replay: the same "
+                "routing gives different shapes (activation-checkpoint recompute would fail)"
+            )
+        elif rows[0] != want:
+            problems.append(f"every call returned {rows[0]} rows, the routing needs {want}")
+        if any(p != per_expert[0] for p in per_expert[1:]):
+            problems.append("per-expert counts change between identical dispatches")
+        elif per_expert[0] != ctx.expected.per_expert:
+            problems.append("per-expert counts differ from the routing's on every call")
+        if payload_bad and not problems:
+            problems.append(
+                f"identical dispatches deliver wrong tokens or payloads on calls {payload_bad} "
+                f"of {replays + 1} (a race: data read before it landed?)"
+            )
+        if problems:
+            raise StepFailed(
+                Status.FAIL,
+                "; ".join(problems),
+                "dispatch is not deterministic for fixed routing; disable activation "
+                "checkpointing around this backend's MoE layers or use another backend",
+                step.data,
+            )
+        step.detail = (
+            f"{replays + 1} dispatches: {rows[0]} rows each, tokens, payloads and per-expert "
+            "counts identical"
+        )
+    return agree(rt, step, _summarize_replay)
+
+
+def _summarize_replay(merged: Step, per_rank: list[Step]) -> None:
+    if all("rows_per_call" in s.data for s in per_rank):
+        merged.data["rows_per_call_per_rank"] = [s.data["rows_per_call"] for s in per_rank]
+        if merged.status == Status.PASS:
+            calls = len(per_rank[0].data["rows_per_call"])
+            merged.detail = (
+                f"{calls} identical dispatches on every rank, payloads bit-exact; rows/rank "
+                f"{[s.data['rows_per_call'][0] for s in per_rank]}"
+            )
+
+
+def step_bandwidth(
+    rt: Runtime, backend: EPBackend, ctx: CheckContext, args: argparse.Namespace
+) -> Step:
+    """GB/s of dispatch and combine (received bytes / median time) and of a device copy.
+
+    Every timed call's output is checked after its timing ends: dispatch by a checksum of
+    the delivered bits, combine token by token against the reference.
+    """
+    import _ep_reference as ref
+    import torch
+
+    with timed_step("bandwidth") as step:
+        inp = ctx.inputs
+        d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+        y = _expert_output(rt, ctx, d)
+        rows = int(d.recv_x.shape[0])
+        nbytes = rows * ctx.shape.hidden * d.recv_x.element_size()
+
+        def dispatch_wrong(out: Any) -> Any:
+            return ref.payload_checksum(out.recv_x, ctx.column_weights) != ctx.expected_checksum
+
+        def combine_wrong(out: Any) -> Any:
+            diffs = ref.per_token_rel_diff(out.float(), ctx.expected_combine)
+            return (diffs > ctx.tolerance).any()
+
+        def dispatch_again() -> Any:
+            return backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+
+        t_dispatch, bad_dispatch = _bench(rt, dispatch_again, args, dispatch_wrong)
+        t_combine, bad_combine = _bench(
+            rt, lambda: backend.combine(y, d.handle), args, combine_wrong
+        )
+        src = torch.empty(
+            max(nbytes // d.recv_x.element_size(), 1), dtype=d.recv_x.dtype, device=rt.device
+        )
+        dst = torch.empty_like(src)
+        t_copy, _ = _bench(rt, lambda: dst.copy_(src), args, None, collective=False)
+        copy_bytes = src.numel() * src.element_size()
+        shared = rt.placement.shared
+        data: dict[str, Any] = {
+            "bytes": nbytes,
+            "dispatch_seconds": t_dispatch,
+            "combine_seconds": t_combine,
+            "copy_seconds": t_copy,
+            "dispatch_gbs": nbytes / t_dispatch / 1e9 if t_dispatch > 0 else 0.0,
+            "combine_gbs": nbytes / t_combine / 1e9 if t_combine > 0 else 0.0,
+            "copy_gbs": copy_bytes / t_copy / 1e9 if t_copy > 0 else 0.0,
+            "timer": "cuda events" if rt.use_gpu else "perf_counter",
+            "checked_calls": args.warmup + args.iters,
+            "shared_gpu": shared,
+            "link_figure": rt.use_gpu and not shared,
+        }
+        if shared:
+            data["note"] = SHARED_GPU_LABEL
+        step.data = data
+        data["dispatch_vs_copy"] = data["dispatch_gbs"] / data["copy_gbs"] if t_copy else None
+        data["combine_vs_copy"] = data["combine_gbs"] / data["copy_gbs"] if t_copy else None
+        calls = args.warmup + args.iters
+        wrong = [
+            f"{len(bad)} of {calls} back-to-back {op} calls returned wrong data (calls {bad})"
+            for op, bad in (("dispatch", bad_dispatch), ("combine", bad_combine))
+            if bad
+        ]
+        if wrong:
+            data["wrong_calls"] = {"dispatch": bad_dispatch, "combine": bad_combine}
+            raise StepFailed(
+                Status.FAIL,
+                "; ".join(wrong),
+                "where only later calls are wrong, results change when calls follow each "
+                "other quickly (a race: data read before it landed); do not train with this "
+                "backend and report it with this JSON",
+                data,
+            )
+        slow = [
+            f"{op} {data[op + '_gbs']:.3g} GB/s"
+            for op in ("dispatch", "combine")
+            if data[op + "_gbs"] < args.min_gbs
+        ]
+        if slow and not shared:
+            raise StepFailed(
+                Status.FAIL,
+                f"{', '.join(slow)} below --min-gbs {args.min_gbs:g}",
+                "check NVLink topology (nvidia-smi topo -m), SM/QP settings and that no other "
+                "job shares the GPUs",
+                data,
+            )
+        step.detail = (
+            f"dispatch {data['dispatch_gbs']:.3g} GB/s, combine {data['combine_gbs']:.3g} GB/s, "
+            f"copy {data['copy_gbs']:.3g} GB/s"
+        )
+        if shared:
+            step.detail = f"{SHARED_GPU_LABEL}: {step.detail}; --min-gbs not applied"
+    return agree(rt, step, _summarize_bandwidth)
+
+
+def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
+    datas = [s.data for s in per_rank]
+    if not all("dispatch_gbs" in d for d in datas):
+        return
+    summary: dict[str, Any] = {}
+    for key in ("dispatch_gbs", "combine_gbs", "copy_gbs"):
+        values = [d[key] for d in datas]
+        summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+    copy = summary["copy_gbs"]["mean"]
+    summary["dispatch_vs_copy"] = summary["dispatch_gbs"]["mean"] / copy if copy else None
+    summary["combine_vs_copy"] = summary["combine_gbs"]["mean"] / copy if copy else None
+    merged.data.update(summary)
+    if merged.status == Status.PASS:
+        merged.detail = (
+            f"dispatch {summary['dispatch_gbs']['mean']:.3g} GB/s, combine "
+            f"{summary['combine_gbs']['mean']:.3g} GB/s (mean of ranks); device copy "
+            f"{copy:.3g} GB/s"
+        )
+        if summary["dispatch_vs_copy"] is not None:
+            merged.detail += f"; dispatch/copy {summary['dispatch_vs_copy']:.2g}"
+        if datas[0].get("shared_gpu"):
+            merged.detail = f"{SHARED_GPU_LABEL}: {merged.detail}; --min-gbs not applied"
+
+
+def _bench(
+    rt: Runtime,
+    fn: Callable[[], Any],
+    args: argparse.Namespace,
+    is_wrong: Callable[[Any], Any] | None,
+    collective: bool = True,
+) -> tuple[float, list[int]]:
+    """Median seconds of ``fn`` after warm-up, and the calls whose output ``is_wrong``.
+
+    The check is queued after each call's end event, so it is never part of the timing.
+    """
+    import torch
+    import torch.distributed as dist
+
+    flags: list[Any] = []
+
+    def call() -> None:
+        out = fn()
+        if is_wrong is not None:
+            flags.append(is_wrong(out))
+
+    for _ in range(args.warmup):
+        call()
+    sync(rt)
+    if collective:
+        dist.barrier(group=rt.ctrl_group)
+    times: list[float] = []
+    for _ in range(args.iters):
+        if rt.use_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            if is_wrong is not None:
+                flags.append(is_wrong(out))
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+            if is_wrong is not None:
+                flags.append(is_wrong(out))
+    sync(rt)
+    bad = [i for i, flag in enumerate(flags) if bool(flag)]
+    return statistics.median(times), bad

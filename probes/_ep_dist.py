@@ -1,0 +1,192 @@
+"""Where each rank runs and how the ranks talk: placement, process groups, agreement.
+
+Why this module exists: check_ep runs one process per rank (torchrun, or its own
+``--nproc-per-node``), and every rank must reach the same verdict. Placement decides which
+GPU a rank uses and whether ranks share one (``--ranks-per-gpu``: functional proof on fewer
+GPUs, never a link figure); the process groups follow from it (NCCL when each rank owns a
+GPU, gloo when ranks share one, since NCCL refuses two ranks on a GPU); and ``agree`` merges
+one step over all ranks through a separate gloo group that the backend never touches.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from _report import EXIT_USAGE, Status, Step, merge_exit_codes, one_line, worst
+
+SHARED_GPU_LABEL = "shared GPU: not a link figure"
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in the job, from torchrun's environment (one rank without it)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    launched: bool  # WORLD_SIZE and MASTER_ADDR present: use env:// rendezvous
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv:
+        env = os.environ if environ is None else environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            world=world,
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+            launched="WORLD_SIZE" in env and "MASTER_ADDR" in env,
+        )
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the job, assuming the same number of ranks on each (as torchrun does)."""
+        return max(1, self.world // max(1, self.local_world))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which device this rank uses and whether its GPU is shared with other local ranks.
+
+    ``problem`` is set when the ranks cannot be placed (more local ranks than GPUs allow);
+    the probe then runs on gloo without a GPU so every rank can still agree on the verdict.
+    """
+
+    use_gpu: bool
+    gpu_index: int | None
+    gpus: int
+    ranks_per_gpu: int
+    shared: bool
+    problem: tuple[str, str] | None = None  # (detail, hint)
+
+    @property
+    def group_backend(self) -> str:
+        return "nccl" if self.use_gpu and not self.shared else "gloo"
+
+
+def place(env: RankEnv, gpus: int, wants_gpu: bool, ranks_per_gpu: int) -> Placement:
+    """Place this rank: round-robin over the visible GPUs, at most ``ranks_per_gpu`` each."""
+    if not wants_gpu or gpus == 0:
+        return Placement(False, None, gpus, ranks_per_gpu, False)
+    if env.local_world > gpus * ranks_per_gpu:
+        if ranks_per_gpu == 1:
+            hint = (
+                "start at most one rank per GPU (torchrun --nproc-per-node <= GPUs), or pass "
+                f"--ranks-per-gpu {-(-env.local_world // gpus)} to share GPUs for a functional "
+                "check (its bandwidth is not a link figure)"
+            )
+        else:
+            hint = (
+                f"start at most {gpus * ranks_per_gpu} local ranks, or raise --ranks-per-gpu "
+                f"to {-(-env.local_world // gpus)}"
+            )
+        detail = (
+            f"{env.local_world} local ranks but only {gpus} GPUs visible "
+            f"({ranks_per_gpu} rank(s) per GPU allowed)"
+        )
+        return Placement(False, None, gpus, ranks_per_gpu, False, (detail, hint))
+    return Placement(
+        use_gpu=True,
+        gpu_index=env.local_rank % gpus,
+        gpus=gpus,
+        ranks_per_gpu=ranks_per_gpu,
+        shared=env.local_world > gpus,
+    )
+
+
+@dataclass
+class Runtime:
+    """Process groups and placement for one run."""
+
+    env: RankEnv
+    placement: Placement
+    device: Any  # torch.device
+    ep_group: Any  # dist.ProcessGroup handed to the backend
+    ctrl_group: Any  # gloo group for agreement, never the backend's
+    timeout: float  # seconds, for collectives and the trial import
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.placement.use_gpu
+
+
+def init_distributed(env: RankEnv, placement: Placement, timeout: float) -> Runtime:
+    """The default group (the backend's) and a gloo group for the probe's own messages."""
+    import torch
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout)}
+    if placement.use_gpu:
+        torch.cuda.set_device(placement.gpu_index)
+        device = torch.device("cuda", placement.gpu_index)
+        if placement.group_backend == "nccl":
+            kwargs["device_id"] = device  # eager NCCL init, so DeepEP can reuse the communicator
+    else:
+        device = torch.device("cpu")
+    backend = placement.group_backend
+    if env.launched:
+        dist.init_process_group(backend, init_method="env://", **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    ctrl = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
+    return Runtime(env, placement, device, dist.group.WORLD, ctrl, timeout)
+
+
+def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order.
+
+    Not ``dist.all_gather_object``: that decodes through ``Tensor.numpy()``, and the backend
+    venvs (and images) hold no numpy. Bytes travel as uint8 tensors over the gloo group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    chunks = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(chunks, padded, group=group)
+    return [
+        json.loads(bytes(chunk[: int(n.item())].tolist()).decode())
+        for chunk, n in zip(chunks, sizes, strict=True)
+    ]
+
+
+def agree(
+    rt: Runtime, step: Step, summarize: Callable[[Step, list[Step]], None] | None = None
+) -> Step:
+    """Merge one step over all ranks: worst status wins, its first rank's detail is shown."""
+    gathered = all_gather_json(step.to_json(), rt.ctrl_group, rt.env.world)
+    per_rank = [Step.from_json(obj) for obj in gathered]
+    status = worst(s.status for s in per_rank)
+    merged = Step(step.name, status, seconds=max(s.seconds for s in per_rank))
+    if status in (Status.PASS, Status.INFO):
+        merged.detail, merged.hint, merged.data = per_rank[0].detail, "", dict(per_rank[0].data)
+    else:
+        bad = [i for i, s in enumerate(per_rank) if s.status == status]
+        first = per_rank[bad[0]]
+        prefix = f"rank {bad[0]}: " if rt.env.world > 1 else ""
+        more = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
+        merged.detail = one_line(prefix + first.detail + more)
+        merged.hint = first.hint
+        merged.data = dict(first.data)
+    if rt.env.world > 1:
+        merged.data["ranks"] = [s.data for s in per_rank]
+    if summarize is not None:
+        summarize(merged, per_rank)
+    return merged
+
+
+def agree_code(rt: Runtime, code: int) -> int:
+    """All ranks leave with the same, most severe, exit code."""
+    codes = all_gather_json(code, rt.ctrl_group, rt.env.world)
+    return merge_exit_codes([int(c) for c in codes]) if codes else EXIT_USAGE
