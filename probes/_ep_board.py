@@ -9,7 +9,8 @@ that names the rank that failed first.
 
 The store is the one the ranks rendezvous through: torchrun's agent store when torchrun
 launched the job (``TORCHELASTIC_USE_AGENT_STORE``), otherwise one that rank 0's supervisor
-serves on ``MASTER_ADDR:MASTER_PORT``, which the backend processes then join as clients.
+serves on ``MASTER_ADDR:MASTER_PORT``; the backend processes join it as clients
+(``_ep_dist.connect_store``) and build their process groups on it.
 """
 
 from __future__ import annotations
@@ -32,18 +33,11 @@ class Board:
         self.rank = rank
         self.world = world
 
-    @classmethod
-    def prepare(cls, rank: int, world: int) -> bool:
-        """Before the backend process starts: make its env:// rendezvous use our store.
-
-        Returns whether this supervisor must serve the store itself (rank 0, no agent).
-        """
-        if world <= 1 or "MASTER_ADDR" not in os.environ:
-            return False
-        if os.environ.get(_AGENT_STORE_ENV) == "True":
-            return False
-        os.environ[_AGENT_STORE_ENV] = "True"  # inherited by the backend process
-        return rank == 0
+    @staticmethod
+    def must_serve(rank: int, world: int) -> bool:
+        """Whether this supervisor serves the job's store: rank 0, when no torchrun agent does."""
+        launched = world > 1 and "MASTER_ADDR" in os.environ
+        return launched and rank == 0 and os.environ.get(_AGENT_STORE_ENV) != "True"
 
     @classmethod
     def connect(cls, rank: int, world: int, serve: bool, timeout: float) -> Board | None:

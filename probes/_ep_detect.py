@@ -206,6 +206,28 @@ NCCL_FIX = (
 )
 
 
+#: Run-time errors of a backend that imported fine, by a phrase of their message, and the fix.
+RUN_TIME_HINTS: tuple[tuple[str, str], ...] = (
+    (
+        "NCCL GIN is unavailable",
+        "DeepEP v2 needs NCCL GIN (GPU-initiated networking) even on one node, and NCCL found "
+        "no RDMA NIC for it (NET/IB: no device): run on a node with InfiniBand/RoCE NICs and "
+        "GPUDirect RDMA (probes/check_fabric.py tells what is missing), or pick deepep_v1 or "
+        "hybridep, which run over NVLink alone",
+    ),
+    (
+        "CPU recv timeout",
+        "a rank never reached the matching kernel: check that every rank got its own GPU "
+        "(or --ranks-per-gpu) and the same shape, and run the backend's own tests here",
+    ),
+)
+
+
+def run_time_hint(detail: str) -> str:
+    """The fix for a known run-time error message, or '' when none is known."""
+    return next((hint for phrase, hint in RUN_TIME_HINTS if phrase in detail), "")
+
+
 def classify_import_failure(
     backend: str, output: str, returncode: int, gpu_visible: bool
 ) -> tuple[Status, str, str]:

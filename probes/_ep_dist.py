@@ -70,34 +70,104 @@ class Placement:
         return "nccl" if self.use_gpu and not self.shared else "gloo"
 
 
-def place(env: RankEnv, gpus: int, wants_gpu: bool, ranks_per_gpu: int) -> Placement:
-    """Place this rank: round-robin over the visible GPUs, at most ``ranks_per_gpu`` each."""
-    if not wants_gpu or gpus == 0:
-        return Placement(False, None, gpus, ranks_per_gpu, False)
-    if env.local_world > gpus * ranks_per_gpu:
+def device_facts(env: RankEnv, wants_gpu: bool) -> dict[str, Any]:
+    """What this rank would use: the GPUs it sees, its pick (round-robin), that GPU's UUID.
+
+    The UUID is what tells shared GPUs from distinct ones: under Slurm's per-task binding
+    every rank sees one GPU as cuda:0, and those are eight different GPUs, while two ranks
+    that see the same single GPU share it.
+    """
+    import socket
+
+    facts: dict[str, Any] = {"rank": env.rank, "host": socket.gethostname(), "gpus": 0}
+    if not wants_gpu:
+        return facts
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    facts["gpus"] = gpus
+    if gpus:
+        index = env.local_rank % gpus
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        facts.update(index=index, uuid=str(uuid) if uuid else f"{facts['host']}:{index}")
+    return facts
+
+
+def decide_placement(
+    facts: list[dict[str, Any]], rank: int, wants_gpu: bool, ranks_per_gpu: int
+) -> Placement:
+    """Place ``rank`` from every rank's :func:`device_facts`; all ranks decide the same.
+
+    A rank never falls back to the CPU alone: either every rank has a GPU of its own (or a
+    share of one that ``ranks_per_gpu`` allows), or the probe runs on gloo without GPUs and
+    reports why. (The probe once put every rank whose local index was past the visible GPU
+    count on the CPU and handed the backend host tensors: with one GPU per rank, as Slurm
+    binds them, ranks 1-7 of a node; with ranks sharing a GPU, a kernel read host memory.)
+    """
+    own = facts[rank]
+    if not wants_gpu:
+        return Placement(False, None, own["gpus"], ranks_per_gpu, False)
+    blind = [f["rank"] for f in facts if not f["gpus"]]
+    if blind:
+        if len(blind) == len(facts):
+            return Placement(False, None, 0, ranks_per_gpu, False)
+        detail = f"ranks {blind} see no GPU while the others do"
+        hint = "give every rank a GPU (check CUDA_VISIBLE_DEVICES and the launcher's binding)"
+        return Placement(False, None, own["gpus"], ranks_per_gpu, False, (detail, hint))
+    sharing: dict[str, list[int]] = {}
+    for f in facts:
+        sharing.setdefault(f["uuid"], []).append(f["rank"])
+    most = max(len(ranks) for ranks in sharing.values())
+    if most > ranks_per_gpu:
+        crowded = next(ranks for ranks in sharing.values() if len(ranks) == most)
+        gpus = len(sharing)
+        detail = (
+            f"{len(facts)} ranks on {gpus} GPU(s): ranks {crowded} share one GPU "
+            f"({ranks_per_gpu} rank(s) per GPU allowed)"
+        )
         if ranks_per_gpu == 1:
             hint = (
                 "start at most one rank per GPU (torchrun --nproc-per-node <= GPUs), or pass "
-                f"--ranks-per-gpu {-(-env.local_world // gpus)} to share GPUs for a functional "
-                "check (its bandwidth is not a link figure)"
+                f"--ranks-per-gpu {most} to share GPUs for a functional check (its bandwidth "
+                "is not a link figure)"
             )
         else:
-            hint = (
-                f"start at most {gpus * ranks_per_gpu} local ranks, or raise --ranks-per-gpu "
-                f"to {-(-env.local_world // gpus)}"
-            )
-        detail = (
-            f"{env.local_world} local ranks but only {gpus} GPUs visible "
-            f"({ranks_per_gpu} rank(s) per GPU allowed)"
-        )
-        return Placement(False, None, gpus, ranks_per_gpu, False, (detail, hint))
-    return Placement(
-        use_gpu=True,
-        gpu_index=env.local_rank % gpus,
-        gpus=gpus,
-        ranks_per_gpu=ranks_per_gpu,
-        shared=env.local_world > gpus,
+            hint = f"start fewer ranks, or raise --ranks-per-gpu to {most}"
+        return Placement(False, None, own["gpus"], ranks_per_gpu, False, (detail, hint))
+    return Placement(True, own["index"], own["gpus"], ranks_per_gpu, most > 1)
+
+
+def exchange(env: RankEnv, store: Any, key: str, value: Any, timeout: float) -> list[Any]:
+    """Every rank's JSON-able ``value`` through the rendezvous store, before any group exists."""
+    if store is None:
+        return [value]
+    store.set(f"{key}/{env.rank}", json.dumps(value))
+    keys = [f"{key}/{r}" for r in range(env.world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def connect_store(env: RankEnv, timeout: float) -> Any:
+    """A client of the job's rendezvous store (None for a lone process).
+
+    The probe's supervisor serves it, or torchrun's agent does
+    (``TORCHELASTIC_USE_AGENT_STORE``); the ranks meet there to place themselves and then
+    build their process groups on it.
+    """
+    if not env.launched:
+        return None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
     )
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ep_probe/{run}/{attempt}/", store)
 
 
 @dataclass
@@ -116,7 +186,9 @@ class Runtime:
         return self.placement.use_gpu
 
 
-def init_distributed(env: RankEnv, placement: Placement, timeout: float) -> Runtime:
+def init_distributed(
+    env: RankEnv, placement: Placement, timeout: float, store: Any = None
+) -> Runtime:
     """The default group (the backend's) and a gloo group for the probe's own messages."""
     import torch
     import torch.distributed as dist
@@ -130,8 +202,11 @@ def init_distributed(env: RankEnv, placement: Placement, timeout: float) -> Runt
     else:
         device = torch.device("cpu")
     backend = placement.group_backend
-    if env.launched:
-        dist.init_process_group(backend, init_method="env://", **kwargs)
+    if store is not None:
+        pg_store = dist.PrefixStore("pg/", store)
+        dist.init_process_group(
+            backend, store=pg_store, rank=env.rank, world_size=env.world, **kwargs
+        )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     ctrl = dist.new_group(backend="gloo", timeout=kwargs["timeout"])

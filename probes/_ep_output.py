@@ -194,6 +194,14 @@ def report_unfinished(
         hint=_HINTS[failure["how"]],
         data={"failure": {"rank": rank, **failure}},
     )
+    static = next((d.data.get("static_libstdcxx") for d in done if d.name == "prerequisites"), None)
+    if failure["how"] == "signal" and static:
+        step.hint = (
+            f"{', '.join(static)} carries its own libstdc++ (built with -static-libstdc++, e.g. "
+            "by a compiler wrapper) beside the one torch loaded: two C++ runtimes in one process "
+            "crash in iostream code (HybridEP did, in its buffer constructor). Rebuild it with "
+            "the system compiler: CC=/usr/bin/gcc CXX=/usr/bin/g++"
+        )
     steps = [*done[:index], step, *(not_run(n, step) for n in STEP_NAMES[index + 1 :])]
     if own.fault_log:
         print(own.fault_log.rstrip(), file=sys.stderr)

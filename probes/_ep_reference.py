@@ -256,23 +256,22 @@ def worst_token(diffs: torch.Tensor) -> tuple[float, int]:
     return float(value), int(index)
 
 
-def column_weights(hidden: int, device: torch.device) -> torch.Tensor:
-    """Fixed odd 64-bit weights per column, for :func:`payload_checksum`."""
-    gen = torch.Generator().manual_seed(0x5EED)
-    weights = torch.randint(1, 2**31, (hidden,), generator=gen, dtype=torch.int64) * 2 + 1
-    return weights.to(device)
+def dispatch_wrong(recv_x: torch.Tensor, g: GlobalRouting, exp: Expected) -> torch.Tensor:
+    """A 0-dim bool: ``recv_x`` lacks a token routed here, holds another, or changed a bit.
 
-
-def payload_checksum(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """A 0-dim int64 checksum of ``x``'s bits that does not depend on the order of its rows.
-
-    Every element's bit pattern times its column's weight, summed (wrapping in int64): a
-    flipped bit changes it, a permutation of rows does not. Dispatch may deliver rows in
-    any order but must deliver their bits unchanged, so each timed call is checked with it.
+    Rows may come in any order; repeated rows are the replay step's concern (a shape that
+    changes between identical calls), not this one's. Computed on the device without a host
+    sync, so each timed call is checked after its timing ends.
     """
-    int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    bits = x.contiguous().view(int_type).to(torch.int64)
-    return (bits * weights[None, : bits.shape[1]]).sum()
+    ids = decode_ids(recv_x, g.tokens, g.world)
+    valid = ids >= 0
+    safe = ids.clamp(min=0)
+    bad_rows = ~valid | ~(recv_x == g.x[safe]).all(dim=1)
+    wanted = torch.zeros(g.world * g.tokens, dtype=torch.bool, device=recv_x.device)
+    wanted[exp.rows] = True
+    seen = torch.zeros(g.world * g.tokens, dtype=torch.int32, device=recv_x.device)
+    seen.index_put_((safe,), valid.to(torch.int32), accumulate=True)
+    return bad_rows.any() | (valid & ~wanted[safe]).any() | (wanted & (seen == 0)).any()
 
 
 def rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -66,6 +66,7 @@ def run_steps(
     def gate(name: str, check: Callable[[], Step]) -> bool:
         begin(name, steps)
         step = guarded(name, check)
+        step.hint = step.hint or _ep_detect.run_time_hint(step.detail)
         steps.append(step)
         if step.status != Status.PASS:
             steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
@@ -95,6 +96,7 @@ def run_steps(
     for name, check in checks:
         begin(name, steps)
         step = guarded(name, check)
+        step.hint = step.hint or _ep_detect.run_time_hint(step.detail)
         steps.append(step)
         if step.status == Status.ERROR:
             # The backend raised: its state (and the group's) is unknown, stop here.
@@ -203,6 +205,7 @@ def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
             _check_cuda_home(backend, data, notes, problems)
         _check_nccl(rt, backend, data, notes, problems)
         _report_nvshmem(backend, data, notes)
+        _report_cxx_runtime(backend, data, notes)
         step.data = data
         step.detail = "; ".join(notes)
         if problems:
@@ -328,6 +331,28 @@ def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) 
             "kernels disabled)"
         )
     notes.append(text)
+
+
+#: Compiled extension modules the backends ship, top-level or inside ``deep_ep``.
+_EXTENSIONS = ("deep_ep_cpp", "hybrid_ep_cpp", "deep_ep._C")
+
+
+def _report_cxx_runtime(backend: EPBackend, data: dict[str, Any], notes: list[str]) -> None:
+    """Name extensions that carry their own libstdc++ (a known cause of native crashes)."""
+    if not backend.requires_gpu:
+        return
+    static = [
+        path
+        for path in filter(None, (_facts.extension_path(name) for name in _EXTENSIONS))
+        if _facts.static_cxx_runtime(path)
+    ]
+    data["static_libstdcxx"] = static
+    if static:
+        notes.append(
+            f"{', '.join(Path(p).name for p in static)} carries its own libstdc++ (built with "
+            "-static-libstdc++): a second C++ runtime beside torch's; rebuild with the system "
+            "g++ if it crashes"
+        )
 
 
 def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:

@@ -91,6 +91,18 @@ def extension_path(name: str) -> str | None:
     return spec.origin if spec is not None and spec.origin else None
 
 
+def static_cxx_runtime(path: str) -> bool:
+    """Whether a C++ extension carries its own copy of libstdc++ instead of linking the shared one.
+
+    Such a build (a compiler wrapper adding ``-static-libstdc++`` made one on the GPU machine
+    here) puts a second C++ runtime into a process where torch already loaded the shared
+    one; HybridEP built that way died with SIGSEGV in iostream code inside its buffer
+    constructor. The sign: ``std::`` symbols in the file, but no ``libstdc++.so.6`` among
+    the libraries it asks the loader for.
+    """
+    return file_contains(path, b"_ZNSt") and not file_contains(path, b"libstdc++.so.6")
+
+
 def file_contains(path: str, needle: bytes, chunk: int = 1 << 22) -> bool:
     """Whether the file at ``path`` contains ``needle`` (read in chunks; False if unreadable)."""
     try:

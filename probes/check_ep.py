@@ -39,7 +39,15 @@ import _ep_launch
 import _ep_output
 import _supervise
 from _ep_board import Board
-from _ep_dist import RankEnv, agree_code, init_distributed, place
+from _ep_dist import (
+    RankEnv,
+    agree_code,
+    connect_store,
+    decide_placement,
+    device_facts,
+    exchange,
+    init_distributed,
+)
 from _ep_steps import STEP_NAMES, not_run, run_steps
 from _report import (
     EXIT_USAGE,
@@ -317,7 +325,7 @@ def supervise(args: argparse.Namespace, env: RankEnv) -> int:
         steps = [sel.verdict] + [not_run(n, sel.verdict) for n in STEP_NAMES[1:]]
         return _ep_output.finish(args, env, sel, steps, {}, exit_code_of(steps, args.require))
 
-    serve = Board.prepare(env.rank, env.world)
+    serve = Board.must_serve(env.rank, env.world)
     board_box: list[Board | None] = []
 
     def peer_failed() -> bool:
@@ -373,7 +381,7 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
     if sel.custom:
         sel.name = backend_cls.name
     backend = backend_cls()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # this rank's view
     if backend.requires_gpu:
         if args.device == "cpu":
             raise UsageError(
@@ -386,7 +394,9 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
         wants_gpu = True
     else:
         wants_gpu = args.device == "auto" and gpus > 0
-    placement = place(env, gpus, wants_gpu, args.ranks_per_gpu)
+    store = connect_store(env, args.timeout)
+    facts = exchange(env, store, "place", device_facts(env, wants_gpu), args.timeout)
+    placement = decide_placement(facts, env.rank, wants_gpu, args.ranks_per_gpu)
     if placement.shared and backend.needs_nccl_group:
         raise UsageError(
             f"{backend.name} builds NCCL communicators, and NCCL refuses two ranks on one GPU: "
@@ -402,7 +412,7 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
             f"{backend.name} dispatches {', '.join(backend.dtypes)} only, not {dtype_name}"
         )
 
-    rt = init_distributed(env, placement, args.timeout)
+    rt = init_distributed(env, placement, args.timeout, store)
     shape = ep_adapters.Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
     meta = {
         "device": str(rt.device),

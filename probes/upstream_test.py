@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "exit_code": code,
         "result": verdict,
         "seconds": round(seconds, 1),
-        "cases_passed": len(re.findall(r"\bpassed\b", output)),
+        "cases_passed": len(re.findall(r"\bpass(?:ed)?\b", output, re.IGNORECASE)),
         "output_tail": output[-4000:],
     }
     if args.json:

@@ -1,0 +1,114 @@
+"""Shared test fixtures: the project's paths and one way to run a probe for real.
+
+Why this file exists: several test modules run the probes as a user would (a subprocess,
+real process groups, the real command line) and read the JSON report back. One runner here
+keeps them running the probes the same way, with torchrun's variables removed from the
+environment so a test never joins someone else's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBES = ROOT / "probes"
+FIXTURES = ROOT / "tests" / "fixtures"
+BROKEN = FIXTURES / "broken_backends.py"
+
+_LAUNCH_VARS = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without any torchrun variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class ProbeRun:
+    """A finished probe process and its JSON report (None when it wrote none)."""
+
+    proc: subprocess.CompletedProcess[str]
+    report: dict[str, Any] | None
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    def statuses(self) -> dict[str, str]:
+        assert self.report is not None, self.output
+        return {s["name"]: s["status"] for s in self.report["steps"]}
+
+    def step(self, name: str) -> dict[str, Any]:
+        assert self.report is not None, self.output
+        return next(s for s in self.report["steps"] if s["name"] == name)
+
+
+def run_probe_in(
+    tmp_path: Path,
+    script: str,
+    *args: str,
+    launcher: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: int = 300,
+) -> ProbeRun:
+    """Run ``probes/<script> args --json <tmp>/report.json``, optionally under ``launcher``."""
+    report = tmp_path / "report.json"
+    cmd = [
+        sys.executable,
+        *(launcher or []),
+        str(PROBES / script),
+        *args,
+        "--json",
+        str(report),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=tmp_path
+    )
+    data = json.loads(report.read_text()) if report.exists() else None
+    return ProbeRun(proc, data)
+
+
+@pytest.fixture
+def check_ep(tmp_path: Path):
+    """Run check_ep.py: ``check_ep(*args, nproc=N, torchrun=N, env=..., timeout=...)``.
+
+    ``nproc`` uses the probe's own ``--nproc-per-node``; ``torchrun`` starts the ranks with
+    the real ``torchrun`` command instead.
+    """
+
+    def run(
+        *args: str,
+        nproc: int = 0,
+        torchrun: int = 0,
+        env: dict[str, str] | None = None,
+        timeout: int = 300,
+    ) -> ProbeRun:
+        extra = ["--nproc-per-node", str(nproc)] if nproc else []
+        launcher = (
+            ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else None
+        )
+        return run_probe_in(
+            tmp_path, "check_ep.py", *args, *extra, launcher=launcher, env=env, timeout=timeout
+        )
+
+    return run

@@ -1,0 +1,257 @@
+"""check_ep against backends that fail the way real kernels do (issue 10): every one must end
+with the right non-zero code *and* a table and JSON report from rank 0.
+
+Why these tests: each fault here once got past the probe - an exit with status 0 in the
+middle of dispatch passed, a rank that died under torchrun left no report, a hanging buffer
+never timed out, one lost token hid under a whole-tensor tolerance, and a race that corrupts
+back-to-back calls went unseen because replays compared shapes only. The backends are the
+torch reference with one fault each (tests/fixtures/broken_backends.py), run on real gloo
+process groups; the placement rules that decide where ranks run are tested as the pure
+decision they are.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import BROKEN
+
+SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
+QUICK = ["--iters", "3", "--warmup", "1", "--replays", "2", "--timeout", "120"]
+DEEPSEEK_V3 = ["--tokens", "4096", "--hidden", "7168", "--experts", "256", "--topk", "8"]
+
+
+def backend(cls: str) -> list[str]:
+    return ["--backend-class", f"{BROKEN}:{cls}"]
+
+
+@pytest.mark.parametrize("cls", ["OsExitZeroInDispatch", "SysExitZeroInDispatch"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_exit_with_status_0_mid_dispatch_is_unusable(check_ep, cls: str, world: int) -> None:
+    run = check_ep(*backend(cls), *SMALL, *QUICK, nproc=world if world > 1 else 0)
+    assert run.proc.returncode == 3, run.output
+    assert run.report is not None and run.report["exit_code"] == 3
+    assert run.statuses()["dispatch_combine"] == "error"
+    detail = run.step("dispatch_combine")["detail"]
+    if cls == "OsExitZeroInDispatch":
+        assert "exited with status 0 during dispatch_combine without a verdict" in detail
+    else:
+        assert "sys.exit(0) during dispatch_combine" in detail
+    assert run.proc.stdout.count("result: unusable (exit 3)") == 1
+
+
+@pytest.mark.parametrize(
+    ("cls", "phrase"),
+    [
+        ("SigkillOnRankOne", "rank 1 died with SIGKILL during dispatch_combine"),
+        ("SegfaultOnRankOne", "rank 1 died with SIGSEGV during dispatch_combine"),
+        ("ExitsSevenOnRankOne", "rank 1 exited with status 7 during dispatch_combine"),
+    ],
+)
+def test_a_rank_other_than_0_dying_under_torchrun_is_reported_by_rank_0(
+    check_ep, cls: str, phrase: str
+) -> None:
+    run = check_ep(*backend(cls), *SMALL, *QUICK, torchrun=2)
+    assert run.proc.returncode != 0, run.output  # torchrun turns every failure into 1
+    assert run.report is not None, "rank 0 must still write the JSON report\n" + run.output
+    assert run.report["exit_code"] == 3 and run.report["result"] == "unusable"
+    assert phrase in run.step("dispatch_combine")["detail"], run.step("dispatch_combine")
+    assert [s for s, v in run.statuses().items() if v == "pass"] == [
+        "import",
+        "prerequisites",
+        "buffer",
+    ]
+    assert run.proc.stdout.count("result: unusable (exit 3)") == 1
+    failure = run.step("dispatch_combine")["data"]["failure"]
+    assert failure["rank"] == 1
+
+
+def test_a_buffer_that_hangs_ends_within_the_timeout_and_names_the_step(check_ep) -> None:
+    start = time.monotonic()
+    run = check_ep(*backend("HangsInBuffer"), *SMALL, "--timeout", "20", nproc=2)
+    elapsed = time.monotonic() - start
+    assert run.proc.returncode == 3, run.output
+    assert elapsed < 20 + 60, elapsed  # start-up and teardown on a loaded 2-core machine
+    s = run.statuses()
+    assert s["buffer"] == "error" and s["dispatch_combine"] == "not run"
+    detail = run.step("buffer")["detail"]
+    assert "buffer did not finish within 20 s" in detail
+    assert "broken_backends.py" in detail and "in create" in detail  # where it was stuck
+    assert "Current thread" in run.proc.stderr or "Thread 0x" in run.proc.stderr  # the stacks
+    assert run.proc.stdout.count("result: unusable (exit 3)") == 1
+
+
+def test_one_lost_token_fails_at_the_deepseek_v3_shape_in_bf16(check_ep) -> None:
+    """One zeroed token of 4096 moves the whole-tensor difference by less than 0.01."""
+    fast = ["--iters", "1", "--warmup", "0", "--replays", "1", "--timeout", "300"]
+    run = check_ep(*backend("LosesOneTokenInCombine"), *DEEPSEEK_V3, "--dtype", "bfloat16", *fast)
+    assert run.proc.returncode == 1, run.output
+    dc = run.step("dispatch_combine")
+    assert dc["status"] == "fail"
+    assert "1 of 4096 tokens differ" in dc["detail"] and "token 2048" in dc["detail"]
+    # The bound this probe used to apply, over the whole tensor, would have passed it.
+    assert dc["data"]["global_rel_diff"] < 0.01 < dc["data"]["rel_diff"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "failed"),
+    [
+        ("CorruptsFromThirdDispatch", ["replay", "bandwidth"]),
+        ("CorruptsTimedDispatches", ["bandwidth"]),
+        ("CorruptsTimedCombines", ["bandwidth"]),
+    ],
+)
+def test_data_corrupted_by_back_to_back_calls_fails(check_ep, cls: str, failed: list[str]) -> None:
+    run = check_ep(*backend(cls), *SMALL, *QUICK, nproc=2)
+    assert run.proc.returncode == 1, run.output
+    assert [name for name, status in run.statuses().items() if status == "fail"] == failed
+    assert run.step("dispatch_combine")["status"] == "pass"
+    if "replay" in failed:
+        assert "wrong tokens or payloads on calls [0, 1, 2]" in run.step("replay")["detail"]
+    assert "back-to-back" in run.step("bandwidth")["detail"]
+
+
+# ---------------------------------------------------------------------------------------
+# Placement: where each rank runs, decided the same way on every rank
+# ---------------------------------------------------------------------------------------
+
+
+def facts(*views: tuple[int, str | None]) -> list[dict]:
+    """One rank per (visible GPUs, UUID of the GPU it would use)."""
+    out = []
+    for rank, (gpus, uuid) in enumerate(views):
+        fact = {"rank": rank, "host": "node", "gpus": gpus}
+        if gpus:
+            fact.update(index=0, uuid=uuid)
+        out.append(fact)
+    return out
+
+
+def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
+    """Eight ranks each seeing one GPU as cuda:0: eight different GPUs, NCCL, none on CPU.
+
+    The probe used to put every rank whose LOCAL_RANK was past the visible GPU count on the
+    CPU: here ranks 1-7, which then handed host tensors to a GPU backend.
+    """
+    from _ep_dist import decide_placement
+
+    views = facts(*[(1, f"GPU-{i}") for i in range(8)])
+    for rank in range(8):
+        place = decide_placement(views, rank, wants_gpu=True, ranks_per_gpu=1)
+        assert place.use_gpu and place.gpu_index == 0 and not place.shared, (rank, place)
+        assert place.group_backend == "nccl" and place.problem is None
+
+
+def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
+    from _ep_dist import decide_placement
+
+    views = facts((1, "GPU-0"), (1, "GPU-0"))
+    refused = decide_placement(views, 1, wants_gpu=True, ranks_per_gpu=1)
+    assert not refused.use_gpu and refused.problem is not None
+    detail, hint = refused.problem
+    assert "ranks [0, 1] share one GPU" in detail
+    assert "--ranks-per-gpu 2" in hint
+    shared = decide_placement(views, 1, wants_gpu=True, ranks_per_gpu=2)
+    assert shared.use_gpu and shared.shared and shared.group_backend == "gloo"
+    crowded = decide_placement(facts(*[(1, "GPU-0")] * 4), 0, wants_gpu=True, ranks_per_gpu=2)
+    assert "raise --ranks-per-gpu to 4" in crowded.problem[1]
+
+
+def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu() -> None:
+    from _ep_dist import decide_placement
+
+    views = facts((1, "GPU-0"), (0, None))
+    for rank in (0, 1):
+        place = decide_placement(views, rank, wants_gpu=True, ranks_per_gpu=1)
+        assert not place.use_gpu and place.problem is not None
+        assert "ranks [1] see no GPU" in place.problem[0]
+
+
+def test_eight_ranks_on_eight_visible_gpus_are_exclusive() -> None:
+    from _ep_dist import decide_placement
+
+    views = [{"rank": r, "host": "n", "gpus": 8, "index": r, "uuid": f"GPU-{r}"} for r in range(8)]
+    place = decide_placement(views, 5, wants_gpu=True, ranks_per_gpu=1)
+    assert place.use_gpu and place.gpu_index == 5 and not place.shared
+
+
+# ---------------------------------------------------------------------------------------
+# The oracle's adaptation and the NCCL version the probe judges by
+# ---------------------------------------------------------------------------------------
+
+
+UTILS = """import os
+import torch
+import torch.distributed as dist
+
+
+def init_dist(local_rank: int, num_local_ranks: int):
+    # NOTES: you may rewrite this function with your own cluster settings
+    dist.init_process_group(backend='nccl', world_size=num_local_ranks, rank=local_rank)
+    return dist.get_rank(), dist.get_world_size(), None
+
+
+def calc_diff(x, y):
+    return 0.0
+"""
+
+
+def test_upstream_test_rewrites_only_init_dist() -> None:
+    from upstream_test import SHARED_INIT_DIST, rewrite_init_dist
+
+    out = rewrite_init_dist(UTILS)
+    assert SHARED_INIT_DIST in out and "backend='nccl'" not in out
+    assert out.replace(SHARED_INIT_DIST, "") == UTILS.replace(
+        UTILS[UTILS.index("def init_dist") : UTILS.index("def calc_diff") - 2], ""
+    )
+    compile(out, "utils.py", "exec")
+    with pytest.raises(SystemExit, match="no init_dist"):
+        rewrite_init_dist("def other():\n    pass\n")
+
+
+def test_upstream_test_refuses_a_shared_gpu_for_deepep_v2(tmp_path, capsys) -> None:
+    from upstream_test import main
+
+    (tmp_path / "elastic").mkdir()
+    (tmp_path / "elastic" / "test_ep.py").write_text("")
+    assert main(["--backend", "deepep_v2", "--tests", str(tmp_path), "--shared-gpu"]) == 2
+    assert "NCCL refuses two ranks on one GPU" in capsys.readouterr().err
+
+
+def test_the_nccl_version_is_the_loaded_librarys() -> None:
+    """torch.cuda.nccl.version() is the NCCL torch was built with; the probe reads the library
+    it actually loaded (on the GPU machine: 2.30.7 loaded while torch said 2.28.9)."""
+    import importlib.metadata
+
+    import _facts
+    import torch  # loads libnccl with the CUDA build of torch
+
+    loaded = _facts.loaded_nccl_version()
+    assert loaded == importlib.metadata.version("nvidia-nccl-cu13")
+    assert _facts.torch_facts()["nccl"] == loaded
+    assert torch.cuda.nccl.version()  # present, but not what the probe reports
+
+
+@pytest.mark.parametrize(("static", "expected"), [(True, True), (False, False)])
+def test_a_cxx_extension_with_its_own_libstdcxx_is_recognised(
+    tmp_path, static: bool, expected: bool
+) -> None:
+    """HybridEP built by a compiler wrapper that adds -static-libstdc++ crashed in iostream
+    code beside torch's libstdc++; the probe names such builds. Real g++ builds of both kinds."""
+    import shutil
+    import subprocess
+
+    import _facts
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    src = tmp_path / "ext.cpp"
+    src.write_text(
+        '#include <sstream>\n#include <string>\nextern "C" int ranks(int n) {\n'
+        "  std::ostringstream s; s << static_cast<long>(n); return (int)s.str().size(); }\n"
+    )
+    lib = tmp_path / "ext.so"
+    flags = ["-static-libstdc++"] if static else []
+    subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
+    assert _facts.static_cxx_runtime(str(lib)) is expected
