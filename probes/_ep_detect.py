@@ -67,9 +67,47 @@ class Installed:
     commit: str | None
     reason: str
     build_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The source repository the build came from, where it can be known.
+    upstream: str | None = None
+    #: Why ``commit`` is what it is ("git build, direct_url.json", or why it is unknown).
+    commit_source: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+#: What a prebuilt wheel says of its origin; none of them records the commit it was built from.
+WHEEL_PROVENANCE: dict[str, tuple[str | None, str]] = {
+    "sgl-deep-ep": (
+        "https://github.com/sgl-project/DeepEP",
+        "unknown: SGLang's binary build of its fork sgl-project/DeepEP (its README); the wheel "
+        "records no commit",
+    ),
+    "tokenspeed-deepep": (
+        None,
+        "unknown: a prebuilt wheel whose metadata names neither a source repository nor a commit",
+    ),
+}
+
+
+def provenance(
+    dist_name: str | None, version: str | None, direct_url: dict[str, Any] | None
+) -> tuple[str | None, str | None, str]:
+    """(upstream repository, commit, how the commit is known or why it is not)."""
+    commit = _facts.commit_of(version, direct_url)
+    url = (direct_url or {}).get("url")
+    vcs = (direct_url or {}).get("vcs_info") or {}
+    if vcs.get("commit_id"):
+        return url, commit, "git build: direct_url.json"
+    if commit:
+        return url, commit, f"git build: the +<sha> of version {version}"
+    norm = (dist_name or "").lower().replace("_", "-")
+    if norm in WHEEL_PROVENANCE:
+        upstream, why = WHEEL_PROVENANCE[norm]
+        return upstream, None, why
+    if version and version.endswith("+local"):
+        return url, None, "unknown: built from a source tree without git metadata (+local)"
+    return url, None, "unknown: neither direct_url.json nor the version records a commit"
 
 
 def backend_from_layout(package_dir: Path) -> str | None:
@@ -130,7 +168,8 @@ def detect_installed() -> Installed:
             f"deep_ep at {package_dir} has no known layout (no {', '.join(dict(MARKERS).values())})"
         )
 
-    commit = _facts.commit_of(version, _facts.dist_direct_url(dist_name) if dist_name else None)
+    direct_url = _facts.dist_direct_url(dist_name) if dist_name else None
+    upstream, commit, commit_source = provenance(dist_name, version, direct_url)
     build_info = _facts.read_literal_assignments(package_dir / "_build_info.py")
     return Installed(
         backend=layout,
@@ -140,6 +179,8 @@ def detect_installed() -> Installed:
         commit=commit,
         reason=reason,
         build_info=build_info,
+        upstream=upstream,
+        commit_source=commit_source,
     )
 
 

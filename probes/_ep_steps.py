@@ -127,6 +127,8 @@ def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
                 distribution=inst.distribution,
                 version=inst.version,
                 commit=inst.commit,
+                commit_source=inst.commit_source,
+                upstream=inst.upstream,
                 build_info=inst.build_info,
             )
             expected_major = inst.build_info.get("EXPECTED_CUDA_MAJOR")
@@ -172,6 +174,10 @@ def _import_detail(sel: Selection, data: dict[str, Any]) -> str:
     parts = [f"{data.get('distribution')} {data.get('version')}"]
     if data.get("commit"):
         parts.append(f"commit {data['commit']}")
+    elif data.get("commit_source"):
+        parts.append(f"commit {data['commit_source']}")
+    if data.get("upstream"):
+        parts.append(f"from {data['upstream']}")
     parts.append(f"at {data.get('module_path') or data.get('module_dir')}")
     if data.get("build_info"):
         parts.append("build " + ", ".join(f"{k}={v}" for k, v in data["build_info"].items()))

@@ -129,6 +129,8 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
             "distribution": installed.distribution,
             "version": installed.version,
             "commit": installed.commit,
+            "commit_source": installed.commit_source or None,
+            "upstream": installed.upstream,
             "module_dir": installed.module_dir,
             "build_info": installed.build_info or None,
             "how": installed.reason,
@@ -164,8 +166,9 @@ def table(m: dict[str, Any]) -> str:
     backend = ep["detected"]
     if backend:
         backend += f" = {ep['distribution']} {ep['version']}"
-        if ep["commit"]:
-            backend += f" @ {ep['commit']}"
+        backend += f" @ {ep['commit']}" if ep["commit"] else f" (commit {ep['commit_source']})"
+        if ep["upstream"]:
+            backend += f" from {ep['upstream']}"
     toolkit = m["cuda_toolkit"]
     torch_text = f"{_fmt(t.get('version'))} CUDA {_fmt(t.get('cuda'))}"
     if m["torch_error"]:

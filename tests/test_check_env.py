@@ -158,6 +158,30 @@ def test_git_built_backend_reports_its_commit(tmp_path: Path) -> None:
     assert (
         "hybridep = deep_ep 1.2.1+e0a5b1d @ e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8" in proc.stdout
     )
+    assert ep["upstream"] == "https://github.com/deepseek-ai/DeepEP"
+    assert ep["commit_source"] == "git build: direct_url.json"
+
+
+@pytest.mark.parametrize(
+    ("dist", "version", "upstream", "why"),
+    [
+        ("sgl-deep-ep", "0.1.2.post1", "https://github.com/sgl-project/DeepEP", "SGLang's binary"),
+        ("tokenspeed-deepep", "1.2.1.post20251110", None, "names neither a source repository"),
+        ("deep_ep", "2.0.0+local", None, "without git metadata"),
+    ],
+)
+def test_a_wheel_says_plainly_that_its_commit_is_unknown(
+    tmp_path: Path, dist: str, version: str, upstream: str | None, why: str
+) -> None:
+    """Wheels record no commit: the manifest says "unknown" and why, never a bare null."""
+    site = fake_deep_ep(tmp_path / "site", dist, version, ["buffers/elastic.py"], "")
+    proc, m = run_env(tmp_path, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert proc.returncode == 0, proc.stderr
+    ep = m["ep_backend"]
+    assert ep["commit"] is None
+    assert ep["commit_source"].startswith("unknown: ") and why in ep["commit_source"]
+    assert ep["upstream"] == upstream
+    assert "(commit unknown: " in proc.stdout
 
 
 def test_nothing_optional_present_still_exits_0(tmp_path: Path) -> None:
