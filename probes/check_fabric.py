@@ -18,6 +18,9 @@ probe reads it, judges each link and names the fix:
                   NVSHMEM transports shipped and the NVSHMEM_* settings
   nccl_net        how NCCL (every backend's process group, DeepEP v2's GIN) reaches the
                   network: NCCL_NET, NCCL_IB_HCA against the devices, libnccl-net plugins
+  backend_build   whether the installed EP backend was built with its internode path
+                  (DeepEP v1 linked to NVSHMEM, HybridEP built multi-node, NCCL >= 2.30.4
+                  for DeepEP v2), read from its files without importing it
   affinity        each GPU's nearest NIC on the PCI tree (PIX/PXB best, SYS worst)
 
 Exit codes as the other probes (docs/probes.md): 0 ready, 1 a link is broken (the fix is
@@ -35,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _fabric
+import _internode
 from _report import (
     EXIT_OK,
     EXIT_USAGE,
@@ -52,7 +56,15 @@ from _report import (
 )
 
 PROG = "check_fabric"
-STEP_NAMES = ("rdma_devices", "verbs", "gpudirect_rdma", "ibgda", "nccl_net", "affinity")
+STEP_NAMES = (
+    "rdma_devices",
+    "verbs",
+    "gpudirect_rdma",
+    "ibgda",
+    "nccl_net",
+    "backend_build",
+    "affinity",
+)
 
 NO_RDMA_HINT = (
     "internode EP needs an RDMA NIC (InfiniBand or RoCE) with an ACTIVE port: run on a "
@@ -159,6 +171,7 @@ def collect(root: Path) -> dict[str, Any]:
         "nccl_net_plugins": _fabric.find_libraries(r"^libnccl-net.*\.so"),
         "gpus": gpu_list,
         "affinity": _fabric.affinity(gpu_list, devices),
+        "backend": _internode.backend_internode(),
     }
 
 
@@ -380,6 +393,26 @@ def step_nccl_net(facts: dict[str, Any], judged: bool) -> Step:
     return step
 
 
+def step_backend_build(facts: dict[str, Any]) -> Step:
+    """Judged on every node, NIC or not: an intranode-only build is the image's defect."""
+    with timed_step("backend_build") as step:
+        backend = facts["backend"]
+        step.data = backend
+        name = backend["backend"]
+        if name is None:
+            step.status, step.detail = Status.INFO, "no EP backend (deep_ep) installed here"
+        elif backend["internode"] is None:
+            step.status = Status.INFO
+            step.detail = f"{name}: nothing to judge its internode build by"
+        elif not backend["internode"]:
+            raise StepFailed(
+                Status.FAIL, f"{name}: " + "; ".join(backend["evidence"]), backend["hint"]
+            )
+        else:
+            step.detail = f"{name}: " + "; ".join(backend["evidence"])
+    return step
+
+
 def step_affinity(facts: dict[str, Any]) -> Step:
     with timed_step("affinity") as step:
         pairs = facts["affinity"]
@@ -397,7 +430,7 @@ def step_affinity(facts: dict[str, Any]) -> Step:
 
 
 def run_steps(facts: dict[str, Any]) -> list[Step]:
-    """Judge every link; without an RDMA device the rest is reported, not judged."""
+    """Judge every link; without an RDMA device the node's links are reported, not judged."""
     first = step_rdma_devices(facts)
     judged = first.status != Status.SKIP
     return [
@@ -406,6 +439,7 @@ def run_steps(facts: dict[str, Any]) -> list[Step]:
         step_gpudirect(facts, judged),
         step_ibgda(facts, judged),
         step_nccl_net(facts, judged),
+        step_backend_build(facts),
         step_affinity(facts),
     ]
 

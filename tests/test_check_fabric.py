@@ -13,9 +13,11 @@ code on realistic files.
 from __future__ import annotations
 
 import ctypes.util
+import importlib.machinery
 import importlib.metadata as metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,9 @@ sys.path.insert(0, str(ROOT / "probes"))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
 import _fabric  # noqa: E402
+import _internode  # noqa: E402
 import check_fabric  # noqa: E402
+from fake_installs import fake_deep_ep  # noqa: E402
 from fake_sysfs import PROPRIETARY_BANNER, Nic, build_node, dgx_like  # noqa: E402
 
 #: Variables the probe reads; cleared so the caller's shell cannot change a verdict.
@@ -431,3 +435,120 @@ def test_pci_relations() -> None:
     assert _fabric.relation(gpu, ["pci0000:15", "0000:15:02.0", "0000:20:00.0"], 0, 0) == "PHB"
     assert _fabric.relation(gpu, ["pci0000:40", "0000:40:01.0", "0000:41:00.0"], 0, 0) == "NODE"
     assert _fabric.relation(gpu, ["pci0000:97", "0000:97:01.0", "0000:98:00.0"], 0, 1) == "SYS"
+
+
+# ---------------------------------------------------------------------------------------
+# backend_build: the installed backend's internode build, from real ELF files
+# ---------------------------------------------------------------------------------------
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to link .so files")
+needs_verbs_dev = pytest.mark.skipif(
+    not Path("/usr/include/infiniband/verbs.h").exists(),
+    reason="needs libibverbs-dev to link against libibverbs/libmlx5 (.ci/run installs it)",
+)
+
+
+def link_extension(site: Path, module: str, *link_args: str) -> Path:
+    """A real shared object named as a CPython extension, linked as setup.py links it."""
+    src = site / f"{module}.c"
+    src.write_text("int deep_ep_probe_marker(void) { return 0; }\n")
+    out = site / f"{module}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(out), str(src), "-Wl,--no-as-needed", *link_args],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return out
+
+
+def backend_step(tmp_path: Path, site: Path, **env: str) -> tuple[int, dict]:
+    proc, report = run_fabric(tmp_path, env=probe_env(PYTHONPATH=str(site), **env))
+    assert report is not None, proc.stderr
+    return proc.returncode, step(report, "backend_build")
+
+
+@needs_cc
+def test_hybridep_built_intranode_only_fails_naming_the_rebuild(tmp_path: Path) -> None:
+    site = fake_deep_ep(
+        tmp_path / "site", "deep-ep", "1.2.1+e0a5b1d", ["buffer.py", "hybrid_ep_buffer.py"], ""
+    )
+    link_extension(site, "hybrid_ep_cpp")
+    code, s = backend_step(tmp_path, site)
+    assert s["status"] == "fail" and code == 1
+    assert s["data"]["backend"] == "hybridep" and s["data"]["internode"] is False
+    assert "built without HYBRID_EP_MULTINODE" in s["detail"]
+    assert "uv cache clean deep-ep" in s["hint"]
+
+
+@needs_cc
+@needs_verbs_dev
+def test_hybridep_built_multinode_passes(tmp_path: Path) -> None:
+    site = fake_deep_ep(
+        tmp_path / "site",
+        "deep-ep",
+        "1.2.1+e0a5b1d",
+        ["buffer.py", "hybrid_ep_buffer.py", "backend/nccl/obj/doca_gpunetio.o"],
+        "",
+    )
+    link_extension(site, "hybrid_ep_cpp", "-lmlx5", "-libverbs")
+    code, s = backend_step(tmp_path, site)
+    assert s["status"] == "pass", s
+    assert s["data"]["path"] == "doca" and s["data"]["doca_objects"] is True
+    assert {"libibverbs.so.1", "libmlx5.so.1"} <= set(s["data"]["needed"])
+    assert s["detail"] == "hybridep: hybrid_ep_cpp links libibverbs + libmlx5, DOCA objects shipped"
+    assert code == 5  # this machine still has no RDMA device
+
+
+@needs_cc
+@pytest.mark.parametrize("with_nvshmem", [True, False])
+def test_deepep_v1_internode_kernels_follow_nvshmem_linkage(
+    tmp_path: Path, with_nvshmem: bool
+) -> None:
+    site = fake_deep_ep(tmp_path / "site", "tokenspeed-deepep", "1.2.1", ["buffer.py"], "")
+    args: list[str] = []
+    if with_nvshmem:
+        lib = _fabric.nvshmem_lib_dir()
+        if lib is None:
+            pytest.skip("no NVSHMEM wheel here to link against")
+        args = [f"-L{lib}", "-l:libnvshmem_host.so.3"]
+    link_extension(site, "deep_ep_cpp", *args)
+    code, s = backend_step(tmp_path, site)
+    assert s["data"]["backend"] == "deepep_v1"
+    assert s["status"] == ("pass" if with_nvshmem else "fail"), s
+    if not with_nvshmem:
+        assert "built without NVSHMEM" in s["detail"] and code == 1
+
+
+def test_deepep_v2_needs_nccl_with_gin(tmp_path: Path) -> None:
+    site = fake_deep_ep(tmp_path / "site", "sgl-deep-ep", "0.1.2.post1", ["buffers/elastic.py"], "")
+    nccl = metadata.version("nvidia-nccl-cu13")
+    _, s = backend_step(tmp_path, site)
+    assert s["data"]["nccl"] == nccl
+    assert s["status"] == "pass" and f"NCCL wheel {nccl} >= 2.30.4" in s["detail"]
+    # An older NCCL wheel first on the path, as a torch pin that lowered NCCL would leave it.
+    old = site / "nvidia_nccl_cu13-2.28.9.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: nvidia-nccl-cu13\nVersion: 2.28.9\n"
+    )
+    code, s = backend_step(tmp_path, site)
+    assert s["status"] == "fail" and code == 1
+    assert "NCCL wheel 2.28.9 < 2.30.4" in s["detail"] and "nvidia-nccl-cu13>=2.30.4" in s["hint"]
+
+
+def test_elf_needed_matches_readelf() -> None:
+    """The probe's DT_NEEDED reader against binutils, on real binaries of this machine."""
+    if shutil.which("readelf") is None:
+        pytest.skip("no readelf")
+    files = [os.path.realpath(sys.executable)]
+    files += [p for p in _fabric.find_libraries(r"^libibverbs\.so\.1$")[:1]]
+    lib = _fabric.nvshmem_lib_dir()
+    if lib:
+        files.append(os.path.join(lib, "libnvshmem_host.so.3"))
+    for path in files:
+        out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True).stdout
+        expected = [ln.split("[", 1)[1].rstrip("]") for ln in out.splitlines() if "(NEEDED)" in ln]
+        assert expected, path
+        assert _internode.elf_needed(path) == expected, path
+    assert _internode.elf_needed(__file__) is None  # not an ELF file
