@@ -346,6 +346,8 @@ def step_bandwidth(
         }
         if shared:
             data["note"] = SHARED_GPU_LABEL
+        if len(set(rt.node_of_rank)) > 1:
+            data.update(_link_split(rt, d.recv_x, nbytes, t_dispatch, t_combine))
         step.data = data
         data["dispatch_vs_copy"] = data["dispatch_gbs"] / data["copy_gbs"] if t_copy else None
         data["combine_vs_copy"] = data["combine_gbs"] / data["copy_gbs"] if t_copy else None
@@ -387,12 +389,34 @@ def step_bandwidth(
     return agree(rt, step, _summarize_bandwidth)
 
 
+def _link_split(
+    rt: Runtime, recv_x: Any, nbytes: int, t_dispatch: float, t_combine: float
+) -> dict[str, Any]:
+    """Received bytes from this node's ranks (NVLink) and from other nodes (RDMA), as DeepEP's
+    internode test reports them; each over the same call time."""
+    import torch
+
+    nodes = torch.tensor(rt.node_of_rank, device=recv_x.device)
+    src = recv_x[:, 0].float().round().long().clamp(0, len(rt.node_of_rank) - 1)
+    rows = int(recv_x.shape[0])
+    remote = int((nodes[src] != rt.node_of_rank[rt.env.rank]).sum()) if rows else 0
+    rdma_bytes = nbytes * remote // rows if rows else 0
+    nvl_bytes = nbytes - rdma_bytes
+    out: dict[str, Any] = {"nvl_bytes": nvl_bytes, "rdma_bytes": rdma_bytes}
+    for op, seconds in (("dispatch", t_dispatch), ("combine", t_combine)):
+        out[f"{op}_nvl_gbs"] = nvl_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        out[f"{op}_rdma_gbs"] = rdma_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return out
+
+
 def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
     datas = [s.data for s in per_rank]
     if not all("dispatch_gbs" in d for d in datas):
         return
     summary: dict[str, Any] = {}
-    for key in ("dispatch_gbs", "combine_gbs", "copy_gbs"):
+    split = ("dispatch_nvl_gbs", "dispatch_rdma_gbs", "combine_nvl_gbs", "combine_rdma_gbs")
+    keys = ("dispatch_gbs", "combine_gbs", "copy_gbs")
+    for key in (*keys, *(k for k in split if all(k in d for d in datas))):
         values = [d[key] for d in datas]
         summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
     copy = summary["copy_gbs"]["mean"]
@@ -407,6 +431,11 @@ def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
         )
         if summary["dispatch_vs_copy"] is not None:
             merged.detail += f"; dispatch/copy {summary['dispatch_vs_copy']:.2g}"
+        if "dispatch_rdma_gbs" in summary:
+            merged.detail += (
+                f"; dispatch NVLink {summary['dispatch_nvl_gbs']['mean']:.3g} + RDMA "
+                f"{summary['dispatch_rdma_gbs']['mean']:.3g} GB/s"
+            )
         if datas[0].get("shared_gpu"):
             merged.detail = f"{SHARED_GPU_LABEL}: {merged.detail}; --min-gbs not applied"
 

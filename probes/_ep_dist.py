@@ -10,6 +10,7 @@ one step over all ranks through a separate gloo group that the backend never tou
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -49,6 +50,36 @@ class RankEnv:
         """Nodes in the job, assuming the same number of ranks on each (as torchrun does)."""
         return max(1, self.world // max(1, self.local_world))
 
+    @property
+    def node(self) -> int:
+        """This rank's node: torchrun's GROUP_RANK (two agents on one host are two nodes)."""
+        group_rank = os.environ.get("GROUP_RANK")
+        return int(group_rank) if group_rank is not None else self.rank // max(1, self.local_world)
+
+
+def topology(facts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's layout from every rank's facts: nodes, ranks per node, who is where.
+
+    Raises ValueError when nodes hold different numbers of ranks (EP backends assume equal
+    NVLink domains).
+    """
+    local_worlds = sorted({f["local_world"] for f in facts})
+    if len(local_worlds) > 1:
+        raise ValueError(
+            f"nodes run different numbers of ranks (LOCAL_WORLD_SIZE {local_worlds}): start "
+            "the same number of ranks on every node"
+        )
+    nodes = len({f["node"] for f in facts})
+    return {
+        "world_size": len(facts),
+        "local_world_size": local_worlds[0],
+        "nodes": nodes,
+        "internode": nodes > 1,
+        "ranks": [
+            {"rank": f["rank"], "local_rank": f["local_rank"], "node": f["node"]} for f in facts
+        ],
+    }
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -79,7 +110,14 @@ def device_facts(env: RankEnv, wants_gpu: bool) -> dict[str, Any]:
     """
     import socket
 
-    facts: dict[str, Any] = {"rank": env.rank, "host": socket.gethostname(), "gpus": 0}
+    facts: dict[str, Any] = {
+        "rank": env.rank,
+        "local_rank": env.local_rank,
+        "local_world": env.local_world,
+        "node": env.node,
+        "host": socket.gethostname(),
+        "gpus": 0,
+    }
     if not wants_gpu:
         return facts
     import torch
@@ -180,6 +218,7 @@ class Runtime:
     ep_group: Any  # dist.ProcessGroup handed to the backend
     ctrl_group: Any  # gloo group for agreement, never the backend's
     timeout: float  # seconds, for collectives and the trial import
+    node_of_rank: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def use_gpu(self) -> bool:

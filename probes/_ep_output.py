@@ -30,7 +30,7 @@ def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str
     lines = [f"backend {sel.name} ({sel.how})"]
     where = f"world {env.world}"
     if env.nodes > 1:
-        where += f" on {env.nodes} nodes"
+        where += f" = {env.nodes} nodes x {env.local_world} ranks"
     if meta.get("device"):
         where += f", device {meta['device']}, dtype {meta.get('dtype')}"
     if meta.get("shared_gpu"):
@@ -110,7 +110,9 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
     if "rows_per_call_per_rank" in rp or "rows_per_call" in rp:
         out["replay_rows_per_call"] = rp.get("rows_per_call_per_rank", [rp.get("rows_per_call")])
     band = by_name.get("bandwidth", {})
-    for key in ("dispatch_gbs", "combine_gbs", "copy_gbs", "dispatch_vs_copy", "combine_vs_copy"):
+    keys = ("dispatch_gbs", "combine_gbs", "copy_gbs", "dispatch_vs_copy", "combine_vs_copy")
+    split = ("dispatch_nvl_gbs", "dispatch_rdma_gbs", "combine_nvl_gbs", "combine_rdma_gbs")
+    for key in (*keys, *split):
         if key in band:
             value = band[key]
             out[key] = value["mean"] if isinstance(value, dict) else value

@@ -199,14 +199,12 @@ def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
         notes: list[str] = []
         problems: Problems = []
         _check_gpus(rt, backend, data, notes, problems)
-        if backend.world_sizes is not None and rt.env.world not in backend.world_sizes:
-            problems.append(
-                (
-                    Status.SKIP,
-                    f"{backend.name} cannot run on {rt.env.world} rank(s)",
-                    backend.world_size_note or f"run with {backend.world_sizes} ranks",
-                )
-            )
+        why_not = backend.unsupported(rt.env.world, rt.env.local_world)
+        if why_not is not None:
+            where = f"{rt.env.world} rank(s)"
+            if rt.env.nodes > 1:
+                where += f" on {rt.env.nodes} nodes x {rt.env.local_world}"
+            problems.append((Status.SKIP, f"{backend.name} cannot run on {where}", why_not))
         if backend.jit_compiles:
             _check_cuda_home(backend, data, notes, problems)
         _check_nccl(rt, backend, data, notes, problems)
@@ -375,7 +373,7 @@ def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:
             f"{type(backend).__name__} on {rt.env.world} rank(s): {shape.tokens} tokens/rank, "
             f"hidden {shape.hidden}, {shape.experts} experts ({local}/rank), top-{shape.topk}"
         )
-        for attr in ("num_nvl_bytes",):
+        for attr in ("num_nvl_bytes", "num_rdma_bytes"):
             if hasattr(backend, attr):
                 step.data[attr] = getattr(backend, attr)
     return agree(rt, step)

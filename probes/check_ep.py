@@ -47,6 +47,7 @@ from _ep_dist import (
     device_facts,
     exchange,
     init_distributed,
+    topology,
 )
 from _ep_steps import STEP_NAMES, not_run, run_steps
 from _report import (
@@ -397,6 +398,10 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
     store = connect_store(env, args.timeout)
     facts = exchange(env, store, "place", device_facts(env, wants_gpu), args.timeout)
     placement = decide_placement(facts, env.rank, wants_gpu, args.ranks_per_gpu)
+    try:
+        layout = topology(facts)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if placement.shared and backend.needs_nccl_group:
         raise UsageError(
             f"{backend.name} builds NCCL communicators, and NCCL refuses two ranks on one GPU: "
@@ -413,6 +418,7 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
         )
 
     rt = init_distributed(env, placement, args.timeout, store)
+    rt.node_of_rank = [r["node"] for r in layout["ranks"]]
     shape = ep_adapters.Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
     meta = {
         "device": str(rt.device),
@@ -422,6 +428,7 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
         "ranks_per_gpu": placement.ranks_per_gpu,
         "shared_gpu": placement.shared,
         "process_group": placement.group_backend,
+        "topology": layout,
     }
     _supervise.progress.update(backend=sel.name, meta=meta)
     steps: list[Step] = []

@@ -93,6 +93,12 @@ class EPBackend(abc.ABC):
         """Import what the backend needs; return facts for the report (module path...)."""
         return {}
 
+    def unsupported(self, world: int, local_world: int) -> str | None:
+        """Why it cannot run on ``world`` ranks, ``local_world`` per node (None: it can)."""
+        if self.world_sizes is not None and world not in self.world_sizes:
+            return self.world_size_note or f"run with {self.world_sizes} ranks"
+        return None
+
     @abc.abstractmethod
     def create(self, group: dist.ProcessGroup, shape: Shape) -> None:
         """Build the communication buffer for ``shape`` on the EP process ``group``."""
@@ -233,10 +239,12 @@ def _module_facts(deep_ep: Any) -> dict[str, Any]:
 
 
 class DeepEPv1Backend(EPBackend):
-    """DeepEP v1 ``deep_ep.Buffer``, intranode (NVLink) normal kernels.
+    """DeepEP v1 ``deep_ep.Buffer``, normal kernels: intranode (NVLink) on one node, internode
+    (NVLink + RDMA through NVSHMEM) when the ranks span nodes.
 
-    The intranode kernels exist for 2, 4 and 8 ranks only; larger groups need the internode
-    (RDMA + NVSHMEM) path, which this probe does not drive.
+    The intranode kernels exist for 2, 4 and 8 ranks only; across nodes DeepEP needs 8 ranks
+    per node (one NVLink domain of 8 GPUs) and an RDMA buffer, which ``Buffer.dispatch`` then
+    uses on its own (``get_num_rdma_ranks() > 1``).
     """
 
     name = "deepep_v1"
@@ -245,6 +253,18 @@ class DeepEPv1Backend(EPBackend):
         "DeepEP v1 intranode kernels support only 2, 4 or 8 ranks on one NVLink node; "
         "launch with torchrun --nproc-per-node 2, 4 or 8"
     )
+    #: Ranks per node DeepEP's internode kernels are built for (NUM_MAX_NVL_PEERS).
+    ranks_per_node_internode = 8
+
+    def unsupported(self, world: int, local_world: int) -> str | None:
+        if world <= local_world:
+            return super().unsupported(world, local_world)
+        if local_world != self.ranks_per_node_internode:
+            return (
+                "DeepEP v1 internode kernels need 8 ranks per node (one per GPU of an 8-GPU "
+                f"NVLink node), not {local_world}: launch torchrun --nproc-per-node 8 on every node"
+            )
+        return None
 
     def load(self) -> dict[str, Any]:
         self.deep_ep = _import_deep_ep()
@@ -263,14 +283,19 @@ class DeepEPv1Backend(EPBackend):
         hidden_bytes = shape.hidden * max(torch.tensor([], dtype=shape.dtype).element_size(), 2)
         # The NVLink buffer must hold a dispatch and a combine of this hidden size (the
         # sizing Megatron-style DeepEP dispatchers use).
-        num_nvl_bytes = 0
+        num_nvl_bytes = num_rdma_bytes = 0
+        internode = world > self.ranks_per_node_internode
         for config in (
             self.Buffer.get_dispatch_config(world),
             self.Buffer.get_combine_config(world),
         ):
             num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, world), num_nvl_bytes)
-        self.buffer = self.Buffer(group, num_nvl_bytes, 0, explicitly_destroy=True)
+            if internode:
+                hint = config.get_rdma_buffer_size_hint(hidden_bytes, world)
+                num_rdma_bytes = max(hint, num_rdma_bytes)
+        self.buffer = self.Buffer(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
         self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor

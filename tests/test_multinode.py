@@ -10,7 +10,7 @@ global rank 0 prints the table and writes the JSON. Each agent is given its own 
 as if each node had its own disk, so a report from the wrong node would show.
 
 What today's probe does not yet do (tell intranode from internode ranks, count nodes) is
-asserted as a correct probe must do it, marked ``xfail(strict=True)``: see that test.
+asserted as a correct probe must do it.
 """
 
 from __future__ import annotations
@@ -151,12 +151,6 @@ def test_report_covers_every_rank_of_both_nodes(passing_run: list[Agent]) -> Non
     assert f"experts {EXPERTS} ({EXPERTS // WORLD}/rank)" in passing_run[0].proc.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_ep.py does not yet report the job's node layout: it reads LOCAL_WORLD_SIZE "
-    "but reports only world_size, so a 2x2 job is indistinguishable from 4 ranks on one node "
-    "(the intranode vs internode question); see docs/multinode.md, 'What the probe must add'",
-)
 def test_report_tells_intranode_from_internode(passing_run: list[Agent]) -> None:
     report = passing_run[0].report
     assert report is not None
