@@ -164,6 +164,19 @@ def test_report_tells_intranode_from_internode(passing_run: list[Agent]) -> None
     assert f"world {WORLD} = {NNODES} nodes x {NPROC} ranks" in passing_run[0].proc.stdout
 
 
+def test_bandwidth_is_split_into_nvlink_and_rdma_bytes(passing_run: list[Agent]) -> None:
+    """As DeepEP's internode test: bytes from the same node's ranks apart from the others'."""
+    report = passing_run[0].report
+    assert report is not None
+    ranks = step(report, "bandwidth")["data"]["ranks"]
+    assert len(ranks) == WORLD
+    for data in ranks:
+        assert data["nvl_bytes"] + data["rdma_bytes"] == data["bytes"], data
+        assert data["nvl_bytes"] > 0 and data["rdma_bytes"] > 0, data  # random routing
+        assert data["dispatch_rdma_gbs"] > 0 and data["combine_nvl_gbs"] > 0
+    assert report["numbers"]["dispatch_rdma_gbs"] > 0
+
+
 def test_fault_on_the_second_node_reaches_rank_0s_report(tmp_path: Path) -> None:
     """Ranks 2 and 3 (node 1) lose a token; node 0's ranks are exact. The agreed verdict,
     written by rank 0 on node 0, must name the failing rank of the other node."""
