@@ -229,7 +229,6 @@ def _check_gpus(
     data["shared_gpu"] = place.shared
     if place.problem is not None:
         problems.append((Status.SKIP, *place.problem))
-        notes.append(place.problem[0])
         return
     if not (backend.requires_gpu or rt.use_gpu):
         notes.append("CPU over gloo (no GPU needed)")
