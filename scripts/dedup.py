@@ -61,6 +61,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -88,6 +89,7 @@ HARDLINK_MIN_VERSION = (2, 38)
 _PY = r"\.py$"
 _NOT_PY = r"([^.]..|.[^p].|..[^y])$"
 _LINK_LINE = re.compile(r"^(?:\[DryRun\] )?(?:Ref)?Linking (?P<pair>.*) \(-[^()]*\)$")
+_SUMMARY = re.compile(r"^Linked:\s+(\d+) files")
 
 
 class DedupError(Exception):
@@ -177,24 +179,39 @@ def hardlink_argv(
     return [*argv, "--", *map(str, roots)]
 
 
-def run_hardlink(argv: list[str]) -> ToolRun:
-    """Run hardlink; its ``Linking A to B`` lines say what it linked (or would link)."""
-    proc = subprocess.run(argv, capture_output=True, text=True, env=_c_locale(), check=False)
-    pairs = []
-    for line in proc.stdout.splitlines():
-        match = _LINK_LINE.match(line)
-        if match:
-            pair = _split_pair(match["pair"])
-            if pair:
-                pairs.append(pair)
-    failures = [line for line in proc.stderr.splitlines() if line.strip()]
-    # Its summary line counts successful links only; a killed hardlink prints none.
-    summary = re.search(r"^Linked:\s+(\d+) files", proc.stdout, re.M)
-    linked = (
-        int(summary[1])
-        if summary
-        else len(pairs) - sum("cannot link" in f or "cannot rename" in f for f in failures)
-    )
+def run_hardlink(argv: list[str], *, keep_pairs: bool) -> ToolRun:
+    """Run hardlink; its ``Linking A to B`` lines say what it linked (or would link).
+
+    Its output is read line by line and the pairs kept only when asked (a dry run predicts
+    the result from them): a real run over two torch venvs prints some 20,000 such lines.
+    """
+    pairs: list[tuple[str, str]] = []
+    lines = linked_lines = 0
+    summary: int | None = None
+    # surrogateescape: a path that is not UTF-8 comes back as the same bytes for os.lstat.
+    with tempfile.TemporaryFile("w+", errors="replace") as errors:
+        with subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            errors="surrogateescape",
+            env=_c_locale(),
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines += 1
+                if match := _LINK_LINE.match(line.rstrip("\n")):
+                    linked_lines += 1
+                    if keep_pairs and (pair := _split_pair(match["pair"])):
+                        pairs.append(pair)
+                elif match := _SUMMARY.match(line):
+                    summary = int(match[1])
+        errors.seek(0)
+        failures = [line.rstrip("\n") for line in errors if line.strip()]
+    # The summary counts successful links only; a killed hardlink prints none.
+    failed = sum("cannot link" in f or "cannot rename" in f for f in failures)
+    linked = summary if summary is not None else linked_lines - failed
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         failures.append(
@@ -344,7 +361,9 @@ def dedup(
     exclude = re.compile("|".join(regexes)) if regexes else None
     skipped: Counter[str] = Counter()
 
-    before = dedup_tree.scan(paths, device, exclude, min_size, skipped, find_timestamp_pyc=True)
+    before = dedup_tree.scan(
+        paths, device, exclude, min_size, skipped, find_timestamp_pyc=True, keep_paths=read_only
+    )
     for temp in before.stale_temps:
         if dry_run:
             skipped["stale temporary links (removed on a real run)"] += 1
@@ -372,7 +391,7 @@ def dedup(
         argv = hardlink_argv(
             binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run, min_size=min_size
         )
-        run = run_hardlink(argv)
+        run = run_hardlink(argv, keep_pairs=dry_run)
         report.commands.append(argv)
         report.failures += run.failures
         report.files_linked += run.linked
@@ -381,7 +400,7 @@ def dedup(
     if dry_run:
         after = _predict(before, pairs)
     else:
-        after = dedup_tree.scan(paths, device, exclude, min_size, Counter())
+        after = dedup_tree.scan(paths, device, exclude, min_size, Counter(), keep_paths=read_only)
     _account(before, after, report)
     if read_only and not dry_run:
         settle_modes(after, changed, report, skipped)

@@ -41,7 +41,7 @@ class Inode:
     blocks: int  # bytes on disk, st_blocks * 512: what `du -B1` adds for it
     nlink: int  # links anywhere on the filesystem
     mode: int  # permission bits
-    path: str  # one of its paths under the trees
+    path: str  # one of its paths under the trees ("" unless the scan was asked to keep them)
     here: int = 1  # how many of its paths lie under the trees
     candidate: bool = False  # some path of it may be linked (not excluded, not too small)
 
@@ -124,6 +124,7 @@ def scan(
     skipped: Counter[str],
     *,
     find_timestamp_pyc: bool = False,
+    keep_paths: bool = False,
 ) -> Tree:
     """Walk ``roots`` like ``find -xdev`` (lstat, no symlink followed) and book every inode.
 
@@ -153,7 +154,7 @@ def scan(
                     skipped["vanished during the scan"] += 1
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    _book_file(tree, entry.path, st, exclude, min_size, skipped)
+                    _book_file(tree, entry.path, st, exclude, min_size, skipped, keep_paths)
                     if (
                         find_timestamp_pyc
                         and tree.timestamp_pyc is None
@@ -192,6 +193,7 @@ def _book_file(
     exclude: re.Pattern[str] | None,
     min_size: int,
     skipped: Counter[str],
+    keep_path: bool,
 ) -> None:
     if st.st_nlink >= 2 and _leftover_temp(path):
         tree.stale_temps.append(path)
@@ -213,7 +215,7 @@ def _book_file(
             blocks=st.st_blocks * 512,
             nlink=st.st_nlink,
             mode=stat.S_IMODE(st.st_mode),
-            path=path,
+            path=path if keep_path else "",
             candidate=candidate,
         )
     else:
