@@ -73,7 +73,7 @@ def installed_distributions(site: Path) -> dict[str, str]:
             elif not line:
                 break
         if name:
-            dists[name.lower().replace("_", "-").replace(".", "-")] = version
+            dists[ep_backends.normalize(name)] = version
     return dists
 
 
