@@ -4,8 +4,9 @@
 `uv sync` succeeding only proves that files landed. Before the GPU probes run (probes/check_ep.py
 proves that a backend works), this check catches the cheap failures on any machine, GPU or not:
 the wrong distribution providing `deep_ep`, two of them at once, a missing identifying file,
-or a compiled extension whose shared libraries cannot be found in the venv or the system.
-It never imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
+or a compiled extension whose shared libraries the dynamic loader would not find (asked in
+trace mode, as `ldd` does: scripts/ld_trace.py). It never imports `deep_ep` (that needs a GPU
+driver), so it runs on CPU-only CI and build hosts.
 
     python scripts/check_installed.py --venv /opt/venvs/deepep_v2 --backend deepep_v2 [--json PATH]
 """
@@ -15,18 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import ep_backends  # sibling module: scripts/ is not a package
+import ep_backends  # sibling modules: scripts/ is not a package
+import ld_trace
 
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
-SYSTEM_DIRS = ("/lib64", "/usr/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu")
+DRIVER_WHERE = "GPU driver (host, at run time)"
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -42,6 +42,7 @@ class Report:
     distributions: dict[str, str] = field(default_factory=dict)
     marker: str = ""
     extensions: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    ld_library_path: str = ""  # the environment the loader was asked in
     problems: list[str] = field(default_factory=list)
 
 
@@ -72,60 +73,31 @@ def installed_distributions(site: Path) -> dict[str, str]:
             elif not line:
                 break
         if name:
-            dists[name.lower().replace("_", "-").replace(".", "-")] = version
+            dists[ep_backends.normalize(name)] = version
     return dists
 
 
-def elf_needed(path: Path) -> list[str]:
-    """DT_NEEDED entries of a 64-bit little-endian ELF shared object: what the loader looks for."""
-    data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ValueError(f"{path} is not a 64-bit little-endian ELF file")
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [
-        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
-    ]
-    dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
-    if dynamic is None:
+def torch_first(site: Path) -> list[str]:
+    """The objects `import torch` maps, which a torch extension then reuses by soname.
+
+    deep_ep (every backend) imports torch before its extension module, so its ``libc10.so``,
+    ``libtorch.so``, NCCL, ... are the ones torch loaded: torch's extension module and its
+    global-deps library, traced by the loader in this environment.
+    """
+    modules = sorted(site.glob("torch/_C.*.so"))
+    if not modules:
         return []
-    strtab = sections[dynamic[6]]  # sh_link of .dynamic is its string table
-    names: list[str] = []
-    for offset in range(dynamic[4], dynamic[4] + dynamic[5], 16):
-        tag, value = struct.unpack_from("<qQ", data, offset)
-        if tag == 0:
-            break
-        if tag == 1:  # DT_NEEDED
-            start = strtab[4] + value
-            names.append(data[start : data.index(b"\0", start)].decode())
-    return names
-
-
-def system_libraries() -> set[str]:
-    """Library names the system loader knows (ldconfig cache plus the usual directories)."""
-    names: set[str] = set()
-    try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
-        names.update(line.split()[0] for line in out.splitlines()[1:] if line.strip())
-    except OSError:
-        pass
-    for directory in SYSTEM_DIRS:
-        if os.path.isdir(directory):
-            names.update(os.listdir(directory))
-    return names
-
-
-def venv_libraries(site: Path) -> dict[str, str]:
-    """Shared libraries shipped inside the venv (torch/lib, nvidia/*/lib, ...): name -> path."""
-    libs: dict[str, str] = {}
-    for lib in site.rglob("*.so*"):
-        if lib.is_file() and ".so" in lib.name:
-            libs.setdefault(lib.name, str(lib))
-    return libs
+    global_deps = [str(p) for p in site.glob("torch/lib/libtorch_global_deps.so")]
+    return ld_trace.closure(modules[0], global_deps)
 
 
 def resolve_extensions(site: Path, report: Report) -> None:
-    """Check that every library each deep_ep extension needs can be found, except the driver's."""
+    """Ask the dynamic loader where each library a deep_ep extension needs comes from.
+
+    The loader's own rules decide (RUNPATH and ``$ORIGIN``, LD_LIBRARY_PATH, ldconfig, torch's
+    libraries loaded first), so a same-named file elsewhere in site-packages satisfies nothing.
+    Only the GPU driver's libraries may be missing: the host provides them at run time.
+    """
     extensions = [
         *site.glob("deep_ep/*.so"),
         *site.glob("deep_ep_cpp*.so"),
@@ -134,21 +106,28 @@ def resolve_extensions(site: Path, report: Report) -> None:
     if not extensions:
         report.problems.append("no compiled deep_ep extension (*.so) found: the build did not land")
         return
-    in_venv, in_system = venv_libraries(site), system_libraries()
+    report.ld_library_path = os.environ.get("LD_LIBRARY_PATH", "")
+    preload = torch_first(site)
     for ext in extensions:
+        direct, deeper = ld_trace.resolve(ext, preload)
         resolved: dict[str, str | None] = {}
-        for needed in elf_needed(ext):
-            if needed in in_venv:
-                resolved[needed] = in_venv[needed]
-            elif needed in in_system:
-                resolved[needed] = "system"
-            elif needed in DRIVER_LIBS:
-                resolved[needed] = "GPU driver (host, at run time)"
-            else:
-                resolved[needed] = None
+        for needed, where in direct.items():
+            if where is None and needed in DRIVER_LIBS:
+                resolved[needed] = DRIVER_WHERE
+                continue
+            resolved[needed] = where
+            if where is None:
                 report.problems.append(
-                    f"{ext.name} needs {needed}, found neither in the venv nor the system: "
-                    "install the package that ships it (e.g. nvidia-nvshmem-cu13, nvidia-nccl-cu13)"
+                    f"{ext.name} needs {needed}, which the dynamic loader does not find (its "
+                    "RUNPATH, LD_LIBRARY_PATH, ldconfig, or torch's libraries): install the "
+                    "package that ships it (e.g. nvidia-nvshmem-cu13, nvidia-nccl-cu13) or fix "
+                    "the extension's RUNPATH"
+                )
+        for needed in deeper:
+            if needed not in DRIVER_LIBS:
+                report.problems.append(
+                    f"{ext.name}: {needed}, needed by one of its libraries, is not found by the "
+                    "dynamic loader: install the package that ships it"
                 )
         report.extensions[ext.name] = resolved
 
@@ -221,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         report = check(args.venv, args.backend)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ld_trace.LoaderError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     print_report(report)

@@ -4,63 +4,72 @@ Why: an image or host prefix holds one venv per EP backend, and each venv carrie
 ~5 GB of torch, CUDA libraries and friends. Linking identical files makes N venvs cost about one
 on disk and in an image layer, while each venv stays a complete, independent-looking tree.
 
-What it guarantees (each rule is tested in tests/test_dedup.py):
-- Only regular files are linked; symlinks, devices, sockets and directories are never touched,
-  and the walk never follows symlinks nor descends into another filesystem (like ``find -xdev``).
-- All ROOTs must live on one filesystem (hardlinks cannot cross one); otherwise the run is
-  refused before anything changes, with exit code 2. Run it once per filesystem instead.
-- Files are linked only when their content is equal: same size, same SHA-256, then a
-  byte-for-byte comparison just before linking.
-- Files are linked only when linking changes nothing else a program can see: same permission
-  bits, owner, group and extended attributes (an inode has one of each). A ``.py`` file whose
-  ``__pycache__`` holds a timestamp-validated ``.pyc`` is linked only to a file with the same
-  mtime (in seconds), because the shared inode has one mtime and a mismatch would silently make
-  that venv's bytecode stale.
-- Every path holds a complete file at every instant: the duplicate is replaced by first linking
-  the kept file to a temporary name in the same directory, then ``os.replace`` over the
-  duplicate. A crash leaves at most one extra temporary link (``.dedup-tmp-*``), removed by the
-  next run.
-- Files that tools rewrite in place are left alone by default (``pyvenv.cfg``, ``*.pth``, the
-  venv's ``bin/activate*`` scripts, a dist's ``RECORD``/``INSTALLER``/``REQUESTED``/
-  ``direct_url.json``, ``ep-backend.json``); they are small, so nothing is lost.
-- A second run finds every duplicate already sharing one inode and changes nothing.
+The finding and linking is util-linux `hardlink` (>= 2.38: Debian 12 ships 2.38, Ubuntu 24.04,
+the image's base, 2.39, Debian 13 2.41; util-linux is an essential package in all of them).
+It guarantees, and is run so that (``--respect-xattrs --method memcmp --maximize``):
+- only regular files are linked; it never follows a symlink;
+- files are linked only when their bytes are equal (size, then a byte-for-byte comparison),
+  they are on one device, and their mode, owner, group and xattrs are equal;
+- each duplicate is replaced atomically: the kept file is linked to
+  ``<duplicate>.hardlink-temporary``, which is renamed over the duplicate, so every path holds
+  a complete file at every instant;
+- of equal files it keeps the inode with the most links, so an inode shared with uv's cache
+  (or an earlier run) is the one kept and a copy is the one freed.
 
-The hazard of hardlinked venvs, and why installers are safe: a write *into* a shared inode
-changes every venv that links it. uv and pip never do that on install, reinstall, upgrade or
-uninstall: uninstall unlinks files, and installs create new files (pip unlinks an existing
-target before writing; uv links or copies to a path that uninstall has just removed, and in
-hardlink/clone mode replaces an existing target by rename). See docs/host-mode.md, "Hardlinked
-venvs and installers", and the test that reinstalls and upgrades a package in one deduplicated
-venv and proves the other venv's bytes did not change. What remains unsafe is editing an
-installed file in place (an editor, ``sed -i`` is fine as it renames, ``open(path, "w")`` is
-not); ``--read-only`` removes the write bits of every inode shared by paths under the ROOTs,
-so such a write fails for non-root users (root ignores permission bits, so in an image it is
-documentation, not a lock). It leaves alone inodes that are also linked from outside the ROOTs
-(uv's cache in its default hardlink mode), whose mode is not this run's to change.
-``--read-only`` is the one option that changes modes, and it changes them on purpose.
+What this script adds, because hardlink does not do it (each tested in tests/test_dedup.py):
+- all ROOTs must be on one filesystem, else the run is refused before anything changes (exit
+  2); hardlink would silently link per device. Directories of another filesystem below a ROOT
+  are left out (hardlink 2.38/2.39 have no ``--mount``).
+- files that tools rewrite in place are never linked (``pyvenv.cfg``, ``*.pth``, the venv's
+  ``bin/activate*``, a dist's ``RECORD``/``INSTALLER``/``REQUESTED``/``direct_url.json``,
+  ``ep-backend.json``), passed to hardlink as ``--exclude`` regexes.
+- the bytecode rule: hardlink runs with ``--ignore-time``, since copies of one wheel get
+  different mtimes. But a timestamp-validated ``.pyc`` is valid only while its source keeps the
+  mtime it records, and a shared inode has one mtime. So if any ``.pyc`` under the ROOTs is
+  timestamp-validated, ``.py`` files get a second hardlink pass of their own that respects
+  mtimes (whole inodes, whichever path holds the ``.pyc``). make_venv.py compiles hash-checked
+  ``.pyc`` files, so its venvs never need that pass; pip, uv's UV_COMPILE_BYTECODE and Python
+  itself at import write timestamp-validated ones.
+- ``--read-only``: every inode shared by two or more paths here loses its write bits, so an
+  in-place write into one venv fails (for non-root users) instead of reaching the others.
+  Write bits do not keep equal files apart under ``--read-only`` (a venv added later still
+  links to the read-only copies): they are cleared before hardlink runs and given back to
+  inodes that stayed unshared. Inodes also linked from outside the ROOTs keep their mode.
+- a report whose figures are `du`'s: ``du_bytes_before``/``du_bytes_after`` equal
+  ``du -sxcB1 ROOT...``, and ``saved_bytes`` is what the filesystem got back (inodes whose last
+  link was replaced). Linking a file to an inode that lives on through a link outside the ROOTs
+  shares it here but frees nothing; such inodes are reported apart.
+- a temporary link left by a killed run (``*.hardlink-temporary`` with two or more links, or
+  the old ``.dedup-tmp-*``) is removed by the next run.
+- a file that vanishes while it runs is reported, never a traceback: the report is printed and
+  written, and the run exits 1 when hardlink stopped early.
 
-Test hook: ``EP_DEDUP_TEST_CRASH_AFTER=N`` kills the process with SIGKILL right after the
-(N+1)th temporary link is made and before it replaces the duplicate: the worst moment to crash.
+The hazard of hardlinked venvs: a write *into* a shared inode changes every venv that links it.
+uv and pip never do that (they unlink, then create; docs/host-mode.md). Tools that write into
+the file they are given do: ``strip`` (binutils copies over a file with several links instead of
+renaming), ``patchelf``, ``echo >>``, editors that write in place. ``--read-only`` turns such a
+write into "Permission denied" for other users; root ignores missing write bits.
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import hashlib
 import json
 import os
 import re
+import shutil
 import signal
-import stat
+import subprocess
 import sys
+import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import dedup_tree  # sibling module: scripts/ is not a package
+from dedup_tree import WRITE_BITS, Tree
 
 #: Paths (relative to a root; a pattern without "/" matches the file name) never linked by
 #: default: small files that tools rewrite in place, where a shared inode would leak a write.
@@ -75,48 +84,37 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
     "*.dist-info/direct_url.json",
     "ep-backend.json",
 )
-
-TEMP_PREFIX = ".dedup-tmp-"
-_TEMP_RE = re.compile(r"^\.dedup-tmp-[0-9a-f]+-[0-9]+$")
-_CHUNK = 1 << 20
-_WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
-CRASH_ENV = "EP_DEDUP_TEST_CRASH_AFTER"
+HARDLINK_MIN_VERSION = (2, 38)
+#: The two passes of the bytecode rule: everything but .py files, then only .py files.
+_PY = r"\.py$"
+_NOT_PY = r"([^.]..|.[^p].|..[^y])$"
+_LINK_LINE = re.compile(r"^(?:\[DryRun\] )?(?:Ref)?Linking (?P<pair>.*) \(-[^()]*\)$")
+_SUMMARY = re.compile(r"^Linked:\s+(\d+) files")
 
 
 class DedupError(Exception):
     """A reason to refuse the whole run before anything changes (exit code 2)."""
 
 
-@dataclass(frozen=True)
-class FileInfo:
-    """A regular file as seen by the scan (lstat)."""
-
-    path: Path
-    dev: int
-    ino: int
-    size: int
-    mode: int
-    uid: int
-    gid: int
-    mtime_ns: int
-
-    @property
-    def inode(self) -> tuple[int, int]:
-        return (self.dev, self.ino)
-
-
 @dataclass
 class Report:
-    """What a run did, printed and optionally written as JSON."""
+    """What a run did, printed and optionally written as JSON (``--json``)."""
 
     roots: list[str]
     device: int
     dry_run: bool
     read_only: bool
+    tool: str = ""
+    commands: list[list[str]] = field(default_factory=list)
+    timestamp_pyc: str | None = None  # set: the bytecode rule's .py pass ran (first such .pyc)
     files_scanned: int = 0
     inodes_before: int = 0
-    bytes_before: int = 0
+    bytes_before: int = 0  # apparent size under the ROOTs, each inode once
     bytes_after: int = 0
+    du_bytes_before: int = 0  # `du -sxcB1 ROOT...`
+    du_bytes_after: int = 0
+    saved_bytes: int = 0  # what the filesystem got back
+    shared_not_freed_bytes: int = 0  # merged here, alive through links outside the ROOTs
     files_linked: int = 0
     inodes_merged: int = 0
     files_made_read_only: int = 0
@@ -125,11 +123,120 @@ class Report:
     skipped: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
-    def skip(self, reason: str, count: int = 1) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + count
+
+# --------------------------------------------------------------------------- the tool
 
 
-# --------------------------------------------------------------------------- roots and scan
+def find_hardlink() -> tuple[str, str]:
+    """Path and version line of util-linux hardlink >= 2.38, else DedupError naming the fix."""
+    path = shutil.which("hardlink")
+    fix = (
+        "install util-linux >= 2.38 (Debian 12+, Ubuntu 24.04+: `apt-get install util-linux`; "
+        "it is an essential package there, so it is normally present)"
+    )
+    if path is None:
+        raise DedupError(f"`hardlink` is not on PATH: {fix}")
+    out = subprocess.run(
+        [path, "--version"], capture_output=True, text=True, env=_c_locale(), check=False
+    ).stdout.strip()
+    match = re.search(r"util-linux (\d+)\.(\d+)", out)
+    if not match or (int(match[1]), int(match[2])) < HARDLINK_MIN_VERSION:
+        raise DedupError(f"{path} says {out!r}, not util-linux hardlink >= 2.38: {fix}")
+    return path, out
+
+
+def _c_locale() -> dict[str, str]:
+    """hardlink translates its messages; the parser reads the untranslated ones."""
+    return {**os.environ, "LC_ALL": "C"}
+
+
+@dataclass
+class ToolRun:
+    """One hardlink invocation, parsed."""
+
+    argv: list[str]
+    pairs: list[tuple[str, str]]  # (kept path, replaced path), in the order hardlink linked
+    linked: int  # files linked (dry run: would link), hardlink's own count
+    failures: list[str]
+
+
+def hardlink_argv(
+    binary: str,
+    roots: Sequence[Path],
+    excludes: Sequence[str],
+    *,
+    ignore_time: bool,
+    dry_run: bool,
+    min_size: int,
+) -> list[str]:
+    """The command line: see the module docstring for why each flag."""
+    argv = [binary, "--verbose", "--respect-xattrs", "--maximize", "--method", "memcmp"]
+    argv += ["--minimum-size", str(min_size)]
+    argv += ["--ignore-time"] if ignore_time else []
+    argv += ["--dry-run"] if dry_run else []
+    for regex in excludes:
+        argv += ["--exclude", regex]
+    return [*argv, "--", *map(str, roots)]
+
+
+def run_hardlink(argv: list[str], *, keep_pairs: bool) -> ToolRun:
+    """Run hardlink; its ``Linking A to B`` lines say what it linked (or would link).
+
+    Its output is read line by line and the pairs kept only when asked (a dry run predicts
+    the result from them): a real run over two torch venvs prints some 20,000 such lines.
+    """
+    pairs: list[tuple[str, str]] = []
+    lines = linked_lines = 0
+    summary: int | None = None
+    # surrogateescape: a path that is not UTF-8 comes back as the same bytes for os.lstat.
+    with tempfile.TemporaryFile("w+", errors="replace") as errors:
+        with subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            errors="surrogateescape",
+            env=_c_locale(),
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines += 1
+                if match := _LINK_LINE.match(line.rstrip("\n")):
+                    linked_lines += 1
+                    if keep_pairs and (pair := _split_pair(match["pair"])):
+                        pairs.append(pair)
+                elif match := _SUMMARY.match(line):
+                    summary = int(match[1])
+        errors.seek(0)
+        failures = [line.rstrip("\n") for line in errors if line.strip()]
+    # The summary counts successful links only; a killed hardlink prints none.
+    failed = sum("cannot link" in f or "cannot rename" in f for f in failures)
+    linked = summary if summary is not None else linked_lines - failed
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        failures.append(
+            f"hardlink was killed by {name}: files it had not reached are left as they were; "
+            "every path still holds a complete file; run dedup again to finish"
+        )
+    elif proc.returncode != 0:
+        failures.append(
+            f"hardlink stopped early with exit code {proc.returncode} (see the lines above): "
+            "files it had not reached are left as they were; run dedup again to finish"
+        )
+    return ToolRun(argv=argv, pairs=pairs, linked=linked, failures=failures)
+
+
+def _split_pair(text: str) -> tuple[str, str] | None:
+    """Split ``A to B`` where the paths may themselves hold " to ": A must exist."""
+    start = 0
+    while (at := text.find(" to ", start)) != -1:
+        if os.path.lexists(text[:at]):
+            return text[:at], text[at + 4 :]
+        start = at + 1
+    return None
+
+
+# --------------------------------------------------------------------------- roots
 
 
 def resolve_roots(roots: Iterable[str | Path]) -> tuple[list[Path], int]:
@@ -152,314 +259,86 @@ def resolve_roots(roots: Iterable[str | Path]) -> tuple[list[Path], int]:
     return kept, devices[resolved[0]]
 
 
-def _walk(root: Path, device: int, report: Report) -> Iterator[tuple[Path, os.stat_result]]:
-    """Yield (path, lstat) of every regular file under root, staying on ``device``."""
-    stack = [root]
-    while stack:
-        directory = stack.pop()
-        try:
-            entries = list(os.scandir(directory))
-        except OSError as exc:
-            report.failures.append(f"cannot list {directory}: {exc}")
-            continue
-        for entry in entries:
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                if st.st_dev != device:
-                    report.skip("directories on another filesystem (not descended)")
-                else:
-                    stack.append(Path(entry.path))
-            elif stat.S_ISREG(st.st_mode):
-                yield Path(entry.path), st
-            elif stat.S_ISLNK(st.st_mode):
-                report.skip("symlinks")
-            else:
-                report.skip("devices, sockets, fifos")
-
-
 def is_excluded(relative: str, patterns: Iterable[str]) -> bool:
-    """True if ``relative`` (posix, under a root) matches a pattern.
+    """True if ``relative`` (posix, under a root) matches one of the fnmatch ``patterns``."""
+    return any(re.search(dedup_tree.glob_to_regex(p), "/" + relative) for p in patterns)
 
-    A pattern without "/" matches the file name; one with "/" matches the path's last
-    components (``bin/activate*`` matches ``deepep_v1/bin/activate``).
+
+# --------------------------------------------------------------------------- read-only
+
+
+def drop_write_bits(tree: Tree, report: Report) -> dict[tuple[int, int], int]:
+    """--read-only, before linking: clear write bits so they keep no equal files apart.
+
+    Returns inode -> original mode, to give the bits back to inodes that stay unshared.
+    Inodes linked from outside the ROOTs are not ours to change and keep their mode.
     """
-    parts = relative.split("/")
-    for pattern in patterns:
-        depth = pattern.count("/") + 1
-        if fnmatch.fnmatchcase("/".join(parts[-depth:]), pattern):
-            return True
-    return False
+    changed: dict[tuple[int, int], int] = {}
+    for key, inode in tree.files.items():
+        writable = inode.candidate and not inode.linked_outside and inode.mode & WRITE_BITS
+        if writable and _chmod(inode.path, inode.mode & ~WRITE_BITS, report):
+            changed[key] = inode.mode
+    return changed
 
 
-def scan(
-    roots: list[Path],
-    device: int,
-    excludes: tuple[str, ...],
-    min_size: int,
-    report: Report,
-) -> list[FileInfo]:
-    """Every candidate file under ``roots``; also fills the report's before-figures.
-
-    Removes temporary links a crashed run left behind (they are extra names of kept files).
-    """
-    seen: set[tuple[int, int]] = set()
-    candidates: list[FileInfo] = []
-    for root in roots:
-        for path, st in _walk(root, device, report):
-            if _TEMP_RE.match(path.name):
-                _remove_stale_temp(path, report)
-                continue
-            report.files_scanned += 1
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                report.bytes_before += st.st_size
-            if is_excluded(path.relative_to(root).as_posix(), excludes):
-                report.skip("excluded (rewritten in place by tools)")
-            elif st.st_size < min_size:
-                report.skip(f"smaller than --min-size {min_size}")
-            else:
-                candidates.append(_info(path, st))
-    report.inodes_before = len(seen)
-    return candidates
-
-
-def _info(path: Path, st: os.stat_result) -> FileInfo:
-    return FileInfo(
-        path=path,
-        dev=st.st_dev,
-        ino=st.st_ino,
-        size=st.st_size,
-        mode=stat.S_IMODE(st.st_mode),
-        uid=st.st_uid,
-        gid=st.st_gid,
-        mtime_ns=st.st_mtime_ns,
-    )
-
-
-def _remove_stale_temp(path: Path, report: Report) -> None:
-    if report.dry_run:
-        report.skip("stale temporary links (removed on a real run)")
-        return
-    path.unlink()
-    report.stale_temps_removed += 1
-
-
-# --------------------------------------------------------------------------- grouping
-
-
-def sha256_of(path: Path) -> str:
-    """SHA-256 of a file's bytes."""
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
-def same_bytes(a: Path, b: Path) -> bool:
-    """Byte-for-byte equality, read in 1 MiB chunks (the last word before linking)."""
-    with a.open("rb") as fa, b.open("rb") as fb:
-        while True:
-            chunk_a, chunk_b = fa.read(_CHUNK), fb.read(_CHUNK)
-            if chunk_a != chunk_b:
-                return False
-            if not chunk_a:
-                return True
-
-
-@lru_cache(maxsize=4096)
-def _pycache_listing(directory: Path) -> tuple[str, ...]:
+def _chmod(path: str, mode: int, report: Report) -> bool:
     try:
-        return tuple(os.listdir(directory / "__pycache__"))
-    except OSError:
-        return ()
-
-
-def bytecode_pins_mtime(info: FileInfo) -> bool:
-    """True if a timestamp-validated .pyc in ``__pycache__`` records this source's mtime.
-
-    Such a .pyc is valid only while the source keeps its mtime; a shared inode keeps the kept
-    file's mtime, so linking would make this venv's bytecode stale.
-    """
-    if info.path.suffix != ".py":
+        os.chmod(path, mode, follow_symlinks=False)
+    except OSError as exc:
+        report.failures.append(f"{path}: cannot change its mode: {exc}")
         return False
-    stem = info.path.stem + "."
-    for name in _pycache_listing(info.path.parent):
-        if name.startswith(stem) and name.endswith(".pyc"):
-            try:
-                with (info.path.parent / "__pycache__" / name).open("rb") as fh:
-                    header = fh.read(16)
-            except OSError:
-                continue
-            if len(header) == 16 and int.from_bytes(header[4:8], "little") & 1 == 0:
-                return True
-    return False
+    return True
 
 
-def _xattrs(path: Path) -> tuple[tuple[str, bytes], ...]:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-        return tuple(sorted((n, os.getxattr(path, n, follow_symlinks=False)) for n in names))
-    except OSError:
-        return ()
-
-
-def metadata_key(info: FileInfo, read_only: bool) -> tuple:
-    """What must be equal, besides content, for a link to change nothing visible."""
-    mode = info.mode & ~_WRITE_BITS if read_only else info.mode
-    pinned = info.mtime_ns // 1_000_000_000 if bytecode_pins_mtime(info) else None
-    return (mode, info.uid, info.gid, _xattrs(info.path), pinned)
-
-
-def _inodes(files: Iterable[FileInfo]) -> dict[tuple[int, int], list[FileInfo]]:
-    by_inode: dict[tuple[int, int], list[FileInfo]] = defaultdict(list)
-    for info in files:
-        by_inode[info.inode].append(info)
-    return by_inode
-
-
-def duplicate_sets(
-    candidates: list[FileInfo], read_only: bool, report: Report, jobs: int
-) -> list[list[list[FileInfo]]]:
-    """Sets of inodes that may be merged; each inode is given as the list of its paths.
-
-    Size first (free), then SHA-256 of one path per inode (only where a size is shared by two
-    or more inodes), then the metadata key; the byte comparison happens at link time.
-    """
-    by_size: dict[int, list[FileInfo]] = defaultdict(list)
-    for info in candidates:
-        by_size[info.size].append(info)
-    to_hash: list[list[FileInfo]] = []
-    for files in by_size.values():
-        inodes = _inodes(files)
-        if len(inodes) > 1:
-            to_hash.extend(inodes.values())
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        digests = list(pool.map(lambda paths: sha256_of(paths[0].path), to_hash))
-    by_content: dict[tuple[int, str], list[list[FileInfo]]] = defaultdict(list)
-    for paths, digest in zip(to_hash, digests, strict=True):
-        by_content[(paths[0].size, digest)].append(paths)
-    result: list[list[list[FileInfo]]] = []
-    for inode_lists in by_content.values():
-        if len(inode_lists) < 2:
-            continue
-        by_meta: dict[tuple, list[list[FileInfo]]] = defaultdict(list)
-        for paths in inode_lists:
-            by_meta[metadata_key(paths[0], read_only)].append(paths)
-        if len(by_meta) > 1:
-            report.skip(
-                "identical content kept apart (mode, owner, xattrs or bytecode-pinned mtime "
-                "differ)",
-                sum(len(p) for group in by_meta.values() for p in group),
-            )
-        result.extend(group for group in by_meta.values() if len(group) > 1)
-    return result
-
-
-# --------------------------------------------------------------------------- linking
-
-
-class _CrashHook:
-    """Test hook: SIGKILL after N links, between making the temp link and the rename."""
-
-    def __init__(self) -> None:
-        value = os.environ.get(CRASH_ENV)
-        self.remaining = int(value) if value else None
-
-    def maybe_crash(self) -> None:
-        if self.remaining is None:
-            return
-        if self.remaining == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.remaining -= 1
-
-
-def _unchanged(info: FileInfo) -> bool:
-    try:
-        st = os.lstat(info.path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISREG(st.st_mode)
-        and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        == (info.dev, info.ino, info.size, info.mtime_ns)
-        and stat.S_IMODE(st.st_mode) == info.mode
-    )
-
-
-def replace_with_link(keep: FileInfo, dup: FileInfo, hook: _CrashHook) -> None:
-    """Make ``dup.path`` a hardlink of ``keep.path``; the path is never missing or partial."""
-    token = f"{os.getpid():x}-{time.monotonic_ns()}"
-    temp = dup.path.parent / f"{TEMP_PREFIX}{token}"
-    os.link(keep.path, temp)
-    try:
-        hook.maybe_crash()
-        os.replace(temp, dup.path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def choose_keeper(inode_lists: list[list[FileInfo]]) -> list[FileInfo]:
-    """The inode to keep: the one with most paths here (fewest renames), then first path."""
-    return min(inode_lists, key=lambda paths: (-len(paths), str(min(p.path for p in paths))))
-
-
-def merge_set(inode_lists: list[list[FileInfo]], report: Report, hook: _CrashHook) -> None:
-    """Link every inode in one duplicate set to the kept one, after a byte comparison."""
-    keep_paths = choose_keeper(inode_lists)
-    keep = keep_paths[0]
-    for paths in inode_lists:
-        if paths is keep_paths:
-            continue
-        if not same_bytes(keep.path, paths[0].path):
-            report.skip("same SHA-256 but different bytes", len(paths))
-            continue
-        merged_all = True
-        for dup in paths:
-            if report.dry_run:
-                report.files_linked += 1
-                continue
-            if not (_unchanged(keep) and _unchanged(dup)):
-                report.skip("changed during the run (left as is)")
-                merged_all = False
-                continue
-            try:
-                replace_with_link(keep, dup, hook)
-            except OSError as exc:
-                report.failures.append(f"{dup.path}: {exc}")
-                merged_all = False
-                continue
-            report.files_linked += 1
-        if merged_all:
-            report.inodes_merged += 1
-            report.bytes_after -= keep.size
-
-
-def protect_shared(candidates: list[FileInfo], report: Report) -> None:
-    """--read-only: clear the write bits of every inode that two or more paths here share.
-
-    Runs after linking, on fresh lstat data, so inodes shared by an earlier run count too.
-    An inode that also has links outside the ROOTs (uv's cache, another project's venv) is
-    left as is: changing its mode would reach files this run was not asked to touch.
-    """
-    paths_by_inode: dict[tuple[int, int], list[Path]] = defaultdict(list)
-    for info in candidates:
-        try:
-            st = os.lstat(info.path)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            paths_by_inode[(st.st_dev, st.st_ino)].append(info.path)
-    for paths in paths_by_inode.values():
-        if len(paths) < 2:
-            continue
-        st = os.lstat(paths[0])
-        if st.st_nlink > len(paths):
-            report.skip("read-only not applied: also linked from outside the ROOTs", len(paths))
-        elif stat.S_IMODE(st.st_mode) & _WRITE_BITS:
-            os.chmod(paths[0], stat.S_IMODE(st.st_mode) & ~_WRITE_BITS, follow_symlinks=False)
-            report.files_made_read_only += len(paths)
+def settle_modes(
+    tree: Tree, changed: dict[tuple[int, int], int], report: Report, skipped: Counter[str]
+) -> None:
+    """--read-only, after linking: shared inodes stay read-only, unshared ones get theirs back."""
+    for key, inode in tree.files.items():
+        if inode.here < 2 or not inode.candidate:
+            if key in changed:
+                _chmod(inode.path, changed[key], report)
+        elif inode.linked_outside:
+            skipped["read-only not applied: also linked from outside the ROOTs"] += inode.here
+        elif inode.mode & WRITE_BITS:
+            if _chmod(inode.path, inode.mode & ~WRITE_BITS, report):
+                report.files_made_read_only += inode.here
+        elif key in changed:
+            report.files_made_read_only += inode.here
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def _predict(before: Tree, pairs: Iterable[tuple[str, str]]) -> Tree:
+    """--dry-run: the trees as they would be after hardlink made the links it printed."""
+    here = {key: inode.here for key, inode in before.files.items()}
+    for kept, replaced in pairs:
+        try:
+            k, r = os.lstat(kept), os.lstat(replaced)
+        except FileNotFoundError:
+            continue
+        here[(r.st_dev, r.st_ino)] -= 1
+        here[(k.st_dev, k.st_ino)] += 1
+    after = Tree(other_blocks=before.other_blocks, files_scanned=before.files_scanned)
+    for key, inode in before.files.items():
+        if here[key] > 0:
+            after.files[key] = replace(inode, here=here[key])
+    return after
+
+
+def _account(before: Tree, after: Tree, report: Report) -> None:
+    """The report's figures: apparent and du bytes, what was freed, what is only shared."""
+    report.bytes_after = after.apparent_bytes()
+    report.du_bytes_after = after.du_bytes()
+    for key, inode in before.files.items():
+        if key in after.files:
+            continue
+        report.inodes_merged += 1
+        if inode.linked_outside:
+            report.shared_not_freed_bytes += inode.blocks
+        else:
+            report.saved_bytes += inode.blocks
 
 
 def dedup(
@@ -469,23 +348,68 @@ def dedup(
     read_only: bool = False,
     excludes: tuple[str, ...] = DEFAULT_EXCLUDES,
     min_size: int = 1,
-    jobs: int = 2,
 ) -> Report:
     """Deduplicate ``roots`` and return the report (DedupError: refused, nothing changed)."""
     started = time.monotonic()
     paths, device = resolve_roots(roots)
+    binary, version = find_hardlink()
     report = Report(
         roots=[str(p) for p in paths], device=device, dry_run=dry_run, read_only=read_only
     )
-    candidates = scan(paths, device, excludes, min_size, report)
-    report.bytes_after = report.bytes_before
-    hook = _CrashHook()
-    for inode_lists in duplicate_sets(candidates, read_only, report, jobs):
-        merge_set(inode_lists, report, hook)
+    report.tool = version
+    regexes = [dedup_tree.glob_to_regex(p) for p in excludes]
+    exclude = re.compile("|".join(regexes)) if regexes else None
+    skipped: Counter[str] = Counter()
+
+    before = dedup_tree.scan(
+        paths, device, exclude, min_size, skipped, find_timestamp_pyc=True, keep_paths=read_only
+    )
+    for temp in before.stale_temps:
+        if dry_run:
+            skipped["stale temporary links (removed on a real run)"] += 1
+        else:
+            try:
+                os.unlink(temp)
+            except OSError as exc:
+                report.failures.append(f"{temp}: cannot remove this leftover link: {exc}")
+            else:
+                report.stale_temps_removed += 1
+    report.files_scanned = before.files_scanned
+    report.inodes_before = len(before.files)
+    report.bytes_before = before.apparent_bytes()
+    report.du_bytes_before = before.du_bytes()
+    report.timestamp_pyc = before.timestamp_pyc
+
+    # The passes: one with --ignore-time; under the bytecode rule, .py files apart, by mtime.
+    base = regexes + [dedup_tree.literal_regex(d) for d in before.other_filesystems]
+    passes = [(True, base)]
+    if before.timestamp_pyc:
+        passes = [(True, [*base, _PY]), (False, [*base, _NOT_PY])]
+    changed = drop_write_bits(before, report) if read_only and not dry_run else {}
+    pairs: list[tuple[str, str]] = []
+    for ignore_time, regex_list in passes:
+        argv = hardlink_argv(
+            binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run, min_size=min_size
+        )
+        run = run_hardlink(argv, keep_pairs=dry_run)
+        report.commands.append(argv)
+        report.failures += run.failures
+        report.files_linked += run.linked
+        pairs += run.pairs
+
+    if dry_run:
+        after = _predict(before, pairs)
+    else:
+        after = dedup_tree.scan(paths, device, exclude, min_size, Counter(), keep_paths=read_only)
+    _account(before, after, report)
     if read_only and not dry_run:
-        protect_shared(candidates, report)
+        settle_modes(after, changed, report, skipped)
+    report.skipped = dict(skipped)
     report.seconds = round(time.monotonic() - started, 3)
     return report
+
+
+# --------------------------------------------------------------------------- output
 
 
 def human(n: int) -> str:
@@ -500,18 +424,28 @@ def human(n: int) -> str:
 
 def print_report(report: Report) -> None:
     verb = "would link" if report.dry_run else "linked"
-    print(f"dedup: roots {' '.join(report.roots)} (device {report.device})")
+    print(f"dedup: roots {' '.join(report.roots)} (device {report.device}), {report.tool}")
     print(f"dedup: {report.files_scanned} regular files, {report.inodes_before} inodes")
     print(f"dedup: {verb} {report.files_linked} files, {report.inodes_merged} inodes merged")
-    saved = report.bytes_before - report.bytes_after
     print(
-        f"dedup: bytes before {report.bytes_before} ({human(report.bytes_before)}), "
-        f"after {report.bytes_after} ({human(report.bytes_after)}), saved {human(saved)}"
+        f"dedup: du before {report.du_bytes_before} ({human(report.du_bytes_before)}), "
+        f"after {report.du_bytes_after} ({human(report.du_bytes_after)}); freed on the "
+        f"filesystem {report.saved_bytes} ({human(report.saved_bytes)})"
     )
+    if report.shared_not_freed_bytes:
+        print(
+            f"dedup: {human(report.shared_not_freed_bytes)} merged here freed nothing: those "
+            "inodes are also linked from outside the ROOTs (e.g. uv's cache) and stay on disk"
+        )
+    if report.timestamp_pyc:
+        print(
+            "dedup: timestamp-validated bytecode (e.g. "
+            f"{report.timestamp_pyc}): .py files linked only to ones of equal mtime"
+        )
     if report.read_only:
         print(f"dedup: made read-only: {report.files_made_read_only} paths")
     if report.stale_temps_removed:
-        print(f"dedup: removed {report.stale_temps_removed} temporary links of a crashed run")
+        print(f"dedup: removed {report.stale_temps_removed} temporary links of a killed run")
     for reason, count in sorted(report.skipped.items()):
         print(f"dedup: not linked: {reason}: {count}")
     for failure in report.failures:
@@ -524,23 +458,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="dedup.py",
         description=(
             "Hardlink identical regular files across the given trees, so several venvs cost "
-            "about one. Only files with equal bytes (size, SHA-256, then a byte comparison) "
-            "and equal mode, owner, group and xattrs are linked; each duplicate is replaced "
-            "atomically (link to a temporary name, then rename), so every path always holds a "
-            "complete file. All ROOTs must be on one filesystem. A second run is a no-op."
+            "about one. util-linux hardlink links files with equal bytes, mode, owner, group "
+            "and xattrs, each duplicate replaced atomically (link to a temporary name, then "
+            "rename); this script adds the same-filesystem check, the excludes, the bytecode "
+            "rule, --read-only and a report in du's terms. A second run is a no-op."
         ),
         epilog=(
-            "Exit codes: 0 done; 1 some files could not be linked (listed, all others done); "
-            "2 refused before changing anything (bad ROOT, ROOTs on different filesystems). "
+            "Exit codes: 0 done; 1 some files could not be linked or hardlink stopped early "
+            "(listed; run again to finish); 2 refused before changing anything (bad ROOT, "
+            "ROOTs on different filesystems, no util-linux hardlink >= 2.38). "
             "Example: python scripts/dedup.py --json /tmp/dedup.json /opt/venvs/deepep_v1 "
             "/opt/venvs/deepep_v2"
         ),
     )
     parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to deduplicate")
     parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="hash and compare everything, print what would be linked, change nothing",
+        "--dry-run", action="store_true", help="compare everything, report, change nothing"
     )
     parser.add_argument("--json", metavar="PATH", type=Path, help="also write the report here")
     parser.add_argument(
@@ -574,9 +507,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="BYTES",
         help="skip files smaller than this (default 1: empty files save nothing)",
     )
-    parser.add_argument(
-        "--jobs", type=int, default=min(4, os.cpu_count() or 1), help="hashing threads"
-    )
     return parser.parse_args(argv)
 
 
@@ -590,7 +520,6 @@ def main(argv: list[str] | None = None) -> int:
             read_only=args.read_only,
             excludes=excludes + tuple(args.exclude),
             min_size=args.min_size,
-            jobs=args.jobs,
         )
     except DedupError as exc:
         print(f"dedup: refused: {exc}", file=sys.stderr)

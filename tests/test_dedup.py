@@ -1,15 +1,19 @@
-"""scripts/dedup.py on real venvs made by uv (UV_LINK_MODE=copy: every file a separate copy).
+"""scripts/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
 
-Each test states one rule of docs/host-mode.md ("Deduplicating venvs") and checks it against
-an independent measurement: sha256 and mode of every file before and after, the inode of every
-path, apparent bytes counted here. The installer tests reinstall, upgrade, uninstall and clobber
-packages in one deduplicated venv with uv and pip and prove the other venv did not change.
+The venvs are made with UV_LINK_MODE=copy: every file a separate copy. Each test states one rule
+of docs/host-mode.md ("Deduplicating venvs") and checks it against an independent measurement:
+sha256 and mode of every file before and after, the inode of every path, apparent bytes counted
+here, `du` itself. The installer tests reinstall, upgrade, uninstall and clobber packages in one
+deduplicated venv with uv and pip and prove the other venv did not change. The fault tests act
+at an exact system call of the real run (tests/_fault_inject.py): a file deleted mid-run, a kill
+between the temporary link and the rename.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import py_compile
 import shutil
 import subprocess
 import sys
@@ -19,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _fault_inject import build_shim, faulty_env
 from _venv_helpers import (
     SCRIPTS,
     apparent_bytes,
@@ -34,6 +39,7 @@ from _venv_helpers import (
 
 sys.path.insert(0, str(SCRIPTS))
 import dedup
+import dedup_tree
 
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534
@@ -49,6 +55,22 @@ def dedup_json(tmp: Path, *roots: Path, extra: tuple[str, ...] = ()) -> dict:
     proc = run_dedup(*extra, "--json", report, *roots)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(report.read_text())
+
+
+def du_total(*roots: Path) -> int:
+    """`du -sxcB1`'s total: disk bytes of every inode under ``roots``, each counted once."""
+    out = subprocess.run(["du", "-sxcB1", *map(str, roots)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.splitlines()[-1].split()[0])
+
+
+@pytest.fixture
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fault-injection shim (tests/_fault_inject.py), compiled for this test."""
+    library = build_shim(tmp_path_factory.mktemp("shim"))
+    if library is None:
+        pytest.skip("needs gcc (or cc) to build the fault-injection shim")
+    return library
 
 
 def both(a: Path, b: Path) -> dict[str, tuple[str, int]]:
@@ -88,6 +110,7 @@ def test_links_identical_files_keeping_every_byte_and_mode(venvs, tmp_path: Path
     inodes_before = both_inodes(a, b)
     assert len(set(inodes_before.values())) == len(inodes_before), "copies start unlinked"
     bytes_before = apparent_bytes(a, b)
+    du_before = du_total(a, b)
 
     report = dedup_json(tmp_path, a, b)
 
@@ -103,6 +126,8 @@ def test_links_identical_files_keeping_every_byte_and_mode(venvs, tmp_path: Path
     assert report["files_linked"] > 50
     assert report["bytes_before"] == bytes_before
     assert report["bytes_after"] == apparent_bytes(a, b) < bytes_before
+    assert (report["du_bytes_before"], report["du_bytes_after"]) == (du_before, du_total(a, b))
+    assert report["saved_bytes"] == du_before - report["du_bytes_after"] > 0
     assert after["a/pyvenv.cfg"] != after["b/pyvenv.cfg"], "pyvenv.cfg is excluded"
 
 
@@ -132,21 +157,18 @@ def test_different_content_is_never_linked(venvs, tmp_path: Path) -> None:
     (b / "blob.bin").write_bytes(b"x" * 65536 + b"2")
     (a / "head.bin").write_bytes(b"A" + b"y" * 4096)
     (b / "head.bin").write_bytes(b"B" + b"y" * 4096)
+    # 3 MiB, equal but for the very last byte: past any first block or read buffer.
+    (a / "tail.bin").write_bytes(b"z" * ((3 << 20) - 1) + b"y")
+    (b / "tail.bin").write_bytes(b"z" * (3 << 20))
+    (a / "same.bin").write_bytes(b"z" * (3 << 20))
+    (b / "same.bin").write_bytes(b"z" * (3 << 20))
     dedup_json(tmp_path, a, b)
-    for name in ("blob.bin", "head.bin"):
-        assert (a / name).stat().st_ino != (b / name).stat().st_ino
+    for name in ("blob.bin", "head.bin", "tail.bin"):
+        assert (a / name).stat().st_ino != (b / name).stat().st_ino, name
+    assert (a / "same.bin").stat().st_ino == (b / "same.bin").stat().st_ino
     assert (a / "blob.bin").read_bytes()[-1:] == b"1"
     assert (b / "head.bin").read_bytes()[:1] == b"B"
-
-
-def test_same_bytes_is_the_final_check(tmp_path: Path) -> None:
-    """The byte comparison run before each link, independent of the hash."""
-    one, two, three = (tmp_path / n for n in ("1", "2", "3"))
-    one.write_bytes(b"z" * (3 << 20))
-    two.write_bytes(b"z" * (3 << 20))
-    three.write_bytes(b"z" * ((3 << 20) - 1) + b"y")
-    assert dedup.same_bytes(one, two)
-    assert not dedup.same_bytes(one, three)
+    assert (a / "tail.bin").read_bytes()[-1:] == b"y"
 
 
 def test_files_whose_mode_or_owner_differ_are_not_linked(venvs, tmp_path: Path) -> None:
@@ -155,20 +177,21 @@ def test_files_whose_mode_or_owner_differ_are_not_linked(venvs, tmp_path: Path) 
     (sp_b / "six.py").chmod(0o600)
     os.chown(sp_b / "packaging" / "version.py", 12345, -1)
     os.chown(sp_b / "packaging" / "tags.py", -1, 12345)
+    os.setxattr(sp_b / "packaging" / "markers.py", "user.ep-test", b"1")
     before = both(a, b)
 
-    report = dedup_json(tmp_path, a, b)
+    dedup_json(tmp_path, a, b)
 
     assert both(a, b) == before, "modes unchanged"
-    for rel in ("six.py", "packaging/version.py", "packaging/tags.py"):
+    for rel in ("six.py", "packaging/version.py", "packaging/tags.py", "packaging/markers.py"):
         assert (sp_a / rel).stat().st_ino != (sp_b / rel).stat().st_ino, rel
     assert (sp_b / "packaging" / "version.py").stat().st_uid == 12345
     assert (sp_b / "packaging" / "tags.py").stat().st_gid == 12345
+    assert os.getxattr(sp_b / "packaging" / "markers.py", "user.ep-test") == b"1"
+    assert not os.listxattr(sp_a / "packaging" / "markers.py")
     assert (sp_a / "packaging/utils.py").stat().st_ino == (
         sp_b / "packaging/utils.py"
     ).stat().st_ino
-    kept_apart = [k for k in report["skipped"] if k.startswith("identical content kept apart")]
-    assert kept_apart and report["skipped"][kept_apart[0]] == 6
 
 
 def test_roots_on_different_filesystems_are_refused(tmp_path: Path) -> None:
@@ -203,25 +226,97 @@ def test_symlinks_and_special_files_are_left_alone(venvs, tmp_path: Path) -> Non
     assert (a / "data.txt").stat().st_ino == (b / "data.txt").stat().st_ino
 
 
-def test_crash_mid_run_leaves_every_path_a_complete_file(venvs, tmp_path: Path) -> None:
+def test_crash_mid_run_leaves_every_path_a_complete_file(venvs, tmp_path: Path, shim) -> None:
+    """SIGKILL between hardlink's temporary link and its rename: the worst moment to die."""
     a, b = venvs
     before = both(a, b)
-    env = {**os.environ, dedup.CRASH_ENV: "10"}
+    env = faulty_env(shim, EP_FAULT_KILL_AT_RENAME="10")
     proc = run_dedup(a, b, env=env)
-    assert proc.returncode == -9, "killed between the temporary link and the rename"
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "killed by SIGKILL" in proc.stderr, "the report says what happened"
 
     after = both(a, b)
     extra = set(after) - set(before)
     assert len(extra) == 1, extra
-    assert Path(extra.pop()).name.startswith(dedup.TEMP_PREFIX), "one temporary link is left"
+    assert extra.pop().endswith(dedup_tree.TEMP_SUFFIX), "one temporary link is left"
     assert {path: after[path] for path in before} == before, "every path holds its file"
     ids = both_inodes(a, b)
     assert len(set(ids.values())) < len(ids), "the first 10 links were made before the crash"
 
     report = dedup_json(tmp_path, a, b)
     assert report["stale_temps_removed"] == 1
-    assert not [p for r in (a, b) for p in r.rglob(f"{dedup.TEMP_PREFIX}*")]
+    assert not [p for r in (a, b) for p in r.rglob(f"*{dedup_tree.TEMP_SUFFIX}")]
     assert both(a, b) == before
+
+
+def test_a_file_deleted_mid_run_is_reported_not_a_traceback(tmp_path: Path, shim) -> None:
+    """Another process deletes a duplicate after the walk saw it, before it is compared.
+
+    Three equal files; a's has a second link, so hardlink keeps it (--maximize) and compares
+    the others newest first: b/trigger.bin, then the older victim. Opening the kept file to
+    compare it with b/trigger.bin deletes the victim (the old dedup.py opened a/trigger.bin
+    first too, to hash it), so the victim has vanished when its turn comes.
+    """
+    a, b = tmp_path / "a", tmp_path / "b"
+    for directory in (a / "extra", b / "zz"):
+        directory.mkdir(parents=True)
+    payload = b"t" * (8 << 20)
+    (a / "trigger.bin").write_bytes(payload)
+    os.link(a / "trigger.bin", a / "extra" / "trigger.bin")
+    (b / "trigger.bin").write_bytes(payload)
+    victim = b / "zz" / "victim.bin"
+    victim.write_bytes(payload)
+    os.utime(victim, (time.time() - 3600, time.time() - 3600))
+    report_path = tmp_path / "report.json"
+    env = faulty_env(shim, EP_FAULT_UNLINK_ON_OPEN=f"/trigger.bin:{victim}")
+
+    proc = run_dedup("--json", report_path, a, b, env=env)
+
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not victim.exists(), "the fault happened"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert any(str(victim) in failure for failure in report["failures"]), report["failures"]
+    assert any("run dedup again" in failure for failure in report["failures"])
+    assert (a / "trigger.bin").stat().st_ino == (b / "trigger.bin").stat().st_ino
+    assert (a / "trigger.bin").read_bytes() == payload
+    assert report["du_bytes_after"] == du_total(a, b)
+    again = run_dedup(a, b)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_saved_bytes_are_what_du_sees_freed_with_links_from_outside(tmp_path: Path) -> None:
+    """Inodes also linked from outside the ROOTs (uv's cache): merging them frees nothing."""
+    a, b, cache_a, cache_b = (tmp_path / n for n in ("a", "b", "cache_a", "cache_b"))
+    for d in (a, b, cache_a, cache_b):
+        d.mkdir()
+    # Both copies also live in a cache: linking them shares an inode here but frees nothing.
+    both_cached = os.urandom(1 << 20)
+    for cache, root in ((cache_a, a), (cache_b, b)):
+        (cache / "both.so").write_bytes(both_cached)
+        os.link(cache / "both.so", root / "both.so")
+    # Only b's copy is in a cache: the space comes back only if a's copy is the one replaced.
+    one_cached = os.urandom(1 << 20)
+    (a / "one.so").write_bytes(one_cached)
+    (cache_b / "one.so").write_bytes(one_cached)
+    os.link(cache_b / "one.so", b / "one.so")
+    everything = (a, b, cache_a, cache_b)
+    du_before, du_roots_before = du_total(*everything), du_total(a, b)
+
+    report = dedup_json(tmp_path, a, b)
+
+    freed = du_before - du_total(*everything)
+    claimed = report.get("saved_bytes", report["bytes_before"] - report["bytes_after"])
+    assert claimed == freed, f"report claims {claimed} B saved, du shows {freed} B freed"
+    assert freed == (cache_b / "one.so").stat().st_blocks * 512, "a's copy of one.so was freed"
+    assert (a / "one.so").stat().st_ino == (cache_b / "one.so").stat().st_ino
+    assert (a / "both.so").stat().st_ino == (b / "both.so").stat().st_ino
+    assert report["shared_not_freed_bytes"] == (a / "both.so").stat().st_blocks * 512
+    assert (report["du_bytes_before"], report["du_bytes_after"]) == (
+        du_roots_before,
+        du_total(a, b),
+    )
 
 
 def test_bytecode_keeps_validating_after_dedup(tmp_path: Path) -> None:
@@ -245,8 +340,50 @@ def test_bytecode_keeps_validating_after_dedup(tmp_path: Path) -> None:
     assert valid_before[0] and valid_before[1]
     report = dedup_json(tmp_path, a, b)
     assert (valid_pycs(a), valid_pycs(b)) == valid_before
-    kept_apart = [k for k in report["skipped"] if k.startswith("identical content kept apart")]
-    assert kept_apart, "sources pinned by their bytecode were kept apart"
+    assert report["timestamp_pyc"], "the report says the bytecode rule was applied"
+    rel = "packaging/version.py"
+    assert (site_packages(a) / rel).stat().st_ino != (site_packages(b) / rel).stat().st_ino
+
+
+def _pyc_matches_source(pyc: Path, source: Path) -> bool:
+    """importlib's test of a timestamp .pyc: its recorded source mtime and size are current."""
+    header = pyc.read_bytes()[:16]
+    st = source.stat()
+    return (
+        int.from_bytes(header[4:8], "little") == 0
+        and int.from_bytes(header[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
+        and int.from_bytes(header[12:16], "little") == st.st_size & 0xFFFFFFFF
+    )
+
+
+def test_bytecode_rule_holds_for_every_path_of_an_already_linked_inode(tmp_path: Path) -> None:
+    """a/m.py and b/m.py share an inode (an earlier run); only b's __pycache__ pins its mtime."""
+    roots = [tmp_path / name for name in "abcde"]
+    for root in roots:
+        root.mkdir()
+    a, b, c, d, e = roots
+    source = "VALUE = 1\n" * 200
+    (a / "m.py").write_text(source)
+    os.link(a / "m.py", b / "m.py")
+    pyc = Path(
+        py_compile.compile(
+            str(b / "m.py"),
+            cfile=str(b / "__pycache__" / "m.cpython-311.pyc"),
+            invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP,
+            doraise=True,
+        )
+    )
+    (c / "m.py").write_text(source)  # same bytes, another mtime, linked from three places
+    later = (a / "m.py").stat().st_mtime + 100
+    os.utime(c / "m.py", (later, later))
+    os.link(c / "m.py", d / "m.py")
+    os.link(c / "m.py", e / "m.py")
+    assert _pyc_matches_source(pyc, b / "m.py")
+
+    dedup_json(tmp_path, *roots)
+
+    assert _pyc_matches_source(pyc, b / "m.py"), "b's bytecode went stale"
+    assert (a / "m.py").stat().st_ino == (b / "m.py").stat().st_ino
 
 
 def test_hash_checked_bytecode_lets_sources_link(tmp_path: Path) -> None:
@@ -369,7 +506,11 @@ def test_read_only_blocks_in_place_writes_and_installers_still_work(world_tmp: P
 
 
 def test_read_only_leaves_inodes_linked_from_outside_alone(tmp_path: Path) -> None:
-    """Files that share an inode with uv's cache (or anything outside the ROOTs) keep their mode."""
+    """Files sharing an inode with uv's cache (anything outside the ROOTs) keep their mode.
+
+    Under --read-only a copy is not linked into such an inode either: it could not be made
+    read-only, so the link would add a writable path shared across venvs.
+    """
     a, b, cache = (tmp_path / n for n in ("a", "b", "cache"))
     for d in (a, b, cache):
         d.mkdir()
@@ -378,12 +519,37 @@ def test_read_only_leaves_inodes_linked_from_outside_alone(tmp_path: Path) -> No
     (b / "lib.so").write_bytes((cache / "lib.so").read_bytes())
     (a / "own.py").write_text("x = 1\n" * 100)
     (b / "own.py").write_text("x = 1\n" * 100)
+    (a / "alone.txt").write_text("only in a\n")
+    mode_b, mode_alone = (b / "lib.so").stat().st_mode, (a / "alone.txt").stat().st_mode
     report = dedup_json(tmp_path, a, b, extra=("--read-only",))
-    assert (a / "lib.so").stat().st_ino == (b / "lib.so").stat().st_ino
     assert (cache / "lib.so").stat().st_mode & 0o222, "the cache's file keeps its write bits"
+    assert (a / "lib.so").stat().st_ino == (cache / "lib.so").stat().st_ino
+    assert (a / "lib.so").stat().st_ino != (b / "lib.so").stat().st_ino
+    assert (b / "lib.so").stat().st_mode == mode_b, "b's copy, unshared, keeps its mode"
+    assert (a / "alone.txt").stat().st_mode == mode_alone, "unshared files keep their mode"
+    assert (a / "own.py").stat().st_ino == (b / "own.py").stat().st_ino
     assert (a / "own.py").stat().st_mode & 0o222 == 0
     assert report["files_made_read_only"] == 2
-    assert report["skipped"]["read-only not applied: also linked from outside the ROOTs"] == 2
+
+    # Without --read-only the copy joins the cache's inode (kept: it has the most links).
+    report = dedup_json(tmp_path, a, b)
+    assert (b / "lib.so").stat().st_ino == (cache / "lib.so").stat().st_ino
+    assert report["saved_bytes"] > 0
+
+
+def test_read_only_still_links_a_venv_added_later(venvs, tmp_path: Path) -> None:
+    """Write bits keep no copies apart under --read-only: a new venv links to read-only inodes."""
+    a, b = venvs
+    dedup_json(tmp_path, a, b, extra=("--read-only",))
+    rel = site_packages(a).relative_to(a) / "packaging" / "version.py"
+    assert (a / rel).stat().st_mode & 0o222 == 0
+    c = make_uv_venv(tmp_path / "c", *PACKAGES)
+    assert (c / rel).stat().st_mode & 0o200, "a fresh copy is writable"
+    report = dedup_json(tmp_path, a, b, c, extra=("--read-only",))
+    assert (c / rel).stat().st_ino == (a / rel).stat().st_ino
+    assert (c / rel).stat().st_mode & 0o222 == 0
+    assert report["files_linked"] > 50
+    assert (c / "pyvenv.cfg").stat().st_mode & 0o200, "excluded files keep their mode"
 
 
 @pytest.mark.parametrize(
@@ -402,6 +568,30 @@ def test_read_only_leaves_inodes_linked_from_outside_alone(tmp_path: Path) -> No
 )
 def test_default_excludes(relative: str, excluded: bool) -> None:
     assert dedup.is_excluded(relative, dedup.DEFAULT_EXCLUDES) is excluded
+
+
+def test_hardlink_honours_the_excludes(tmp_path: Path) -> None:
+    """The same table, through the real tool: excluded paths keep separate inodes."""
+    table = {
+        "pyvenv.cfg": True,
+        "bin/activate": True,
+        "bin/activate.fish": True,
+        "bin/torchrun": False,
+        "lib/python3.12/site-packages/_virtualenv.pth": True,
+        "lib/python3.12/site-packages/torch-2.14.1.dist-info/RECORD": True,
+        "lib/python3.12/site-packages/torch-2.14.1.dist-info/METADATA": False,
+        "lib/python3.12/site-packages/torch/lib/libtorch_cuda.so": False,
+        "lib/python3.12/site-packages/weird [name]/x.so": False,
+    }
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        for rel in table:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(f"content of {rel}\n")
+    dedup_json(tmp_path, a, b)
+    for rel, excluded in table.items():
+        shared = (a / rel).stat().st_ino == (b / rel).stat().st_ino
+        assert shared is not excluded, rel
 
 
 def test_bad_root_is_refused(tmp_path: Path) -> None:

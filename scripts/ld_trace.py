@@ -1,0 +1,168 @@
+"""Where the real dynamic loader finds each shared library an ELF file needs.
+
+Why: a check that looks for a same-named file somewhere in site-packages is wrong both ways.
+The loader searches only the object's DT_RPATH/DT_RUNPATH (with ``$ORIGIN``), LD_LIBRARY_PATH,
+the ldconfig cache and the default directories, and before any of that it reuses an object
+already loaded under the same soname. A same-named decoy in another package satisfies nothing;
+a library reached through ``$ORIGIN/../..`` outside site-packages does. Rather than re-implement
+those rules, this module runs the loader itself in trace mode, as ``ldd`` does:
+``LD_TRACE_LOADED_OBJECTS=1 <ld.so> FILE`` maps FILE and every object it needs, prints where
+each was found (or "not found") and runs none of their code.
+
+Import order matters: Python loads a torch extension after ``import torch`` has loaded torch's
+libraries, and the extension's ``libc10.so`` is then that already-loaded object (the extension
+has no RUNPATH to torch/lib). :func:`resolve` models this with ``preload``: the loader maps
+those objects first (LD_PRELOAD), exactly as if they were loaded already. :func:`closure` finds
+them by tracing torch's own extension module the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import struct
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Where glibc's loader lives when `ld.so` is not on PATH (Debian and Ubuntu put it there).
+_RTLDS = {
+    "x86_64": "/lib64/ld-linux-x86-64.so.2",
+    "aarch64": "/lib/ld-linux-aarch64.so.1",
+}
+_FOUND = re.compile(r"^\s*(?P<name>\S+) => (?P<path>.+?)(?: \(0x[0-9a-f]+\))?$")
+_LOADED = re.compile(r"^\s*(?P<path>/\S+) \(0x[0-9a-f]+\)$")
+
+
+class LoaderError(Exception):
+    """The loader could not be run, or could not read the file at all."""
+
+
+@dataclass
+class Trace:
+    """What one trace printed."""
+
+    found: dict[str, str | None] = field(default_factory=dict)  # name -> path, None: not found
+    loaded: list[str] = field(default_factory=list)  # every object mapped, by path
+
+
+def loader() -> str:
+    """glibc's dynamic loader: `ld.so` on PATH, else its standard path for this machine."""
+    on_path = shutil.which("ld.so")
+    if on_path:
+        return os.path.realpath(on_path)
+    candidate = _RTLDS.get(platform.machine())
+    if candidate and os.path.exists(candidate):
+        return candidate
+    raise LoaderError(
+        "no glibc dynamic loader found (`ld.so` on PATH or "
+        f"{candidate or 'its standard path'}): this check needs a glibc Linux system"
+    )
+
+
+def trace(path: Path, preload: Sequence[str] = (), env: dict[str, str] | None = None) -> Trace:
+    """Run the loader in trace mode on ``path``, with ``preload`` mapped first."""
+    environment = {**(os.environ if env is None else env), "LD_TRACE_LOADED_OBJECTS": "1"}
+    environment.pop("LD_PRELOAD", None)
+    if preload:
+        environment["LD_PRELOAD"] = " ".join(preload)
+    proc = subprocess.run(
+        [loader(), str(path)], capture_output=True, text=True, env=environment, check=False
+    )
+    result = Trace()
+    for line in proc.stdout.splitlines():
+        if match := _FOUND.match(line):
+            where = match["path"]
+            result.found.setdefault(match["name"], None if where == "not found" else where)
+            if where != "not found":
+                result.loaded.append(where)
+        elif match := _LOADED.match(line):
+            result.loaded.append(match["path"])
+    if proc.returncode != 0:
+        message = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
+        raise LoaderError(f"the loader cannot trace {path}: {message}")
+    return result
+
+
+def closure(path: Path, preload: Sequence[str] = ()) -> list[str]:
+    """Every object the loader maps for ``path`` (itself included): what importing it loads."""
+    return [p for p in trace(path, preload).loaded if os.path.exists(p)]
+
+
+def resolve(path: Path, preload: Sequence[str] = ()) -> tuple[dict[str, str | None], list[str]]:
+    """For each DT_NEEDED of ``path``: the file the loader uses (None: not found).
+
+    Also returns the names needed further down (by a dependency of a dependency) that the
+    loader did not find: those fail the load just the same.
+    """
+    result = trace(path, preload)
+    by_name: dict[str, str] = {}
+    for loaded in result.loaded:
+        by_name.setdefault(os.path.basename(loaded), loaded)
+    for preloaded in preload:  # satisfied by soname; the trace prints them by path only
+        by_name.setdefault(os.path.basename(preloaded), preloaded)
+        soname = elf_soname(Path(preloaded))
+        if soname:
+            by_name.setdefault(soname, preloaded)
+    needed = elf_dynamic(path).needed
+    direct: dict[str, str | None] = {}
+    for name in needed:
+        if name in result.found:
+            direct[name] = result.found[name]
+        else:
+            direct[name] = by_name.get(name)
+    deeper = sorted(n for n, where in result.found.items() if where is None and n not in direct)
+    return direct, deeper
+
+
+# --------------------------------------------------------------------------- ELF reading
+
+
+@dataclass
+class Dynamic:
+    """The entries of an ELF file's dynamic section that this module reads."""
+
+    needed: list[str] = field(default_factory=list)  # DT_NEEDED, in order
+    soname: str | None = None  # DT_SONAME
+
+
+def elf_dynamic(path: Path) -> Dynamic:
+    """DT_NEEDED and DT_SONAME of a 64-bit little-endian ELF file (what the loader matches)."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise LoaderError(f"{path} is not a 64-bit little-endian ELF file")
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
+    dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
+    result = Dynamic()
+    if dynamic is None:
+        return result
+    strtab = sections[dynamic[6]]  # sh_link of .dynamic is its string table
+
+    def string(offset: int) -> str:
+        start = strtab[4] + offset
+        return data[start : data.index(b"\0", start)].decode()
+
+    for offset in range(dynamic[4], dynamic[4] + dynamic[5], 16):
+        tag, value = struct.unpack_from("<qQ", data, offset)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED
+            result.needed.append(string(value))
+        elif tag == 14:  # DT_SONAME
+            result.soname = string(value)
+    return result
+
+
+def elf_soname(path: Path) -> str | None:
+    """DT_SONAME, or None for a file that is not a readable 64-bit ELF object."""
+    try:
+        return elf_dynamic(path).soname
+    except (OSError, LoaderError, struct.error, ValueError):
+        return None
