@@ -378,13 +378,18 @@ def test_gpu_probes_follow_the_image_workflow() -> None:
 
 
 def test_gpu_jobs_run_on_the_documented_labels() -> None:
+    """2+ GPUs: label gpu; one GPU (ranks share it): gpu-single. Both documented in docs/ci.md."""
     wf = load_workflow(WORKFLOW_DIR / "gpu-probes.yml")
-    gpu_jobs = [j for _, j in jobs(wf) if "gpu" in (j.get("runs-on") or [])]
-    assert gpu_jobs, "no job asks for the self-hosted GPU runner"
-    for job in gpu_jobs:
-        assert job["runs-on"] == ["self-hosted", "linux", "x64", "gpu"]
+    for label in ("gpu", "gpu-single"):
+        gpu_jobs = [j for _, j in jobs(wf) if label in (j.get("runs-on") or [])]
+        assert gpu_jobs, f"no job asks for the self-hosted runner labelled {label}"
+        for job in gpu_jobs:
+            assert job["runs-on"] == ["self-hosted", "linux", "x64", label]
+        assert f"self-hosted, linux, x64, {label}" in (ROOT / "docs" / "ci.md").read_text()
+    shared = [j for _, j in jobs(wf) if "gpu-single" in (j.get("runs-on") or [])]
+    assert all("--ranks-per-gpu" in str(j["steps"]) for j in shared)
     labels = yaml.safe_load((GITHUB / "actionlint.yaml").read_text())["self-hosted-runner"]
-    assert labels["labels"] == ["gpu"]
+    assert labels["labels"] == ["gpu", "gpu-single"]
 
 
 def test_permissions_are_minimal() -> None:
