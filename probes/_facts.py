@@ -20,8 +20,13 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
+
+# Every probe imports this module before torch. Backend venvs hold no numpy (nothing in them
+# needs it), and torch's import warns about that on every run; the probes never use numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 
 def dist_version(*names: str) -> tuple[str, str] | None:
