@@ -326,6 +326,11 @@ def supervise(args: argparse.Namespace, env: RankEnv) -> int:
         steps = [sel.verdict] + [not_run(n, sel.verdict) for n in STEP_NAMES[1:]]
         return _ep_output.finish(args, env, sel, steps, {}, exit_code_of(steps, args.require))
 
+    if env.launched:
+        # This process talks to the job's store (torch's TCPStore): import torch once, before
+        # the fork, so the backend process inherits it instead of importing it again (no CUDA
+        # is touched here, so the fork stays safe).
+        import torch.distributed  # noqa: F401
     serve = Board.must_serve(env.rank, env.world)
     board_box: list[Board | None] = []
 
