@@ -68,13 +68,19 @@ def run_probe_in(
     script: str,
     *args: str,
     launcher: list[str] | None = None,
+    python: list[str] | None = None,
     env: dict[str, str] | None = None,
     timeout: int = 300,
 ) -> ProbeRun:
-    """Run ``probes/<script> args --json <tmp>/report.json``, optionally under ``launcher``."""
+    """Run ``probes/<script> args --json <tmp>/report.json`` as a user would.
+
+    ``python`` replaces the interpreter (a venv's, or ``python -I -S``); ``launcher`` goes
+    between it and the script (``-m torch.distributed.run ...``).
+    """
     report = tmp_path / "report.json"
+    report.unlink(missing_ok=True)
     cmd = [
-        sys.executable,
+        *(python or [sys.executable]),
         *(launcher or []),
         str(PROBES / script),
         *args,

@@ -22,13 +22,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import build_te
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "build_te.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import build_te  # noqa: E402  (scripts/ is not a package)
 
 
 def locked_version(name: str) -> str:

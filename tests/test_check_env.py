@@ -16,13 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_probe_in
+from fake_installs import fake_deep_ep
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "probes" / "check_env.py"
 
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-
-from fake_installs import fake_deep_ep  # noqa: E402
 
 TOP_KEYS = {
     "schema_version", "probe", "python", "torch", "torch_error", "cuda_toolkit",
@@ -33,16 +32,8 @@ TOP_KEYS = {
 def run_env(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None, python: list[str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict | None]:
-    report = tmp_path / "env.json"
-    proc = subprocess.run(
-        [*(python or [sys.executable]), str(PROBE), *args, "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env or dict(os.environ),
-        cwd=tmp_path,
-    )
-    return proc, (json.loads(report.read_text()) if report.exists() else None)
+    run = run_probe_in(tmp_path, "check_env.py", *args, python=python, env=env or dict(os.environ))
+    return run.proc, run.report
 
 
 def version_or_none(dist: str) -> str | None:

@@ -11,26 +11,18 @@ the real command line, with fake deep_ep installs only where a real one cannot e
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import _ep_detect
+import check_ep
 import pytest
+from _report import Status
+from conftest import BROKEN, PROBES, ROOT, clean_env, run_probe_in
+from fake_installs import fake_deep_ep
 
-ROOT = Path(__file__).resolve().parents[1]
-PROBES = ROOT / "probes"
 PROBE = PROBES / "check_ep.py"
-BROKEN = ROOT / "tests" / "fixtures" / "broken_backends.py"
-
-sys.path.insert(0, str(PROBES))
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-
-import _ep_detect  # noqa: E402
-import check_ep  # noqa: E402
-from _report import Status  # noqa: E402
-from fake_installs import fake_deep_ep  # noqa: E402
 
 # A small layer keeps 4 ranks on 2 cores fast; every check still runs on it.
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
@@ -43,25 +35,6 @@ needs_no_gpu = pytest.mark.skipif(
 )
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without any torchrun variables, plus ``extra``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in {
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-        }
-    }
-    env.update(extra)
-    return env
-
-
 def run_probe(
     tmp_path: Path,
     *args: str,
@@ -69,15 +42,9 @@ def run_probe(
     env: dict[str, str] | None = None,
     timeout: int = 300,
 ) -> tuple[subprocess.CompletedProcess[str], dict | None]:
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, str(PROBE), *args, "--json", str(report)]
-    if nproc:
-        cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=tmp_path
-    )
-    data = json.loads(report.read_text()) if report.exists() else None
-    return proc, data
+    extra = ["--nproc-per-node", str(nproc)] if nproc else []
+    run = run_probe_in(tmp_path, "check_ep.py", *args, *extra, env=env, timeout=timeout)
+    return run.proc, run.report
 
 
 def statuses(report: dict) -> dict[str, str]:

@@ -15,25 +15,23 @@ from __future__ import annotations
 import ctypes.util
 import importlib.machinery
 import importlib.metadata as metadata
-import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import _fabric
+import _internode
+import check_fabric
 import pytest
+from conftest import run_probe_in
+from fake_installs import fake_deep_ep
+from fake_sysfs import PROPRIETARY_BANNER, Nic, build_node, dgx_like
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "probes" / "check_fabric.py"
-sys.path.insert(0, str(ROOT / "probes"))
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
-import _fabric  # noqa: E402
-import _internode  # noqa: E402
-import check_fabric  # noqa: E402
-from fake_installs import fake_deep_ep  # noqa: E402
-from fake_sysfs import PROPRIETARY_BANNER, Nic, build_node, dgx_like  # noqa: E402
 
 #: Variables the probe reads; cleared so the caller's shell cannot change a verdict.
 PROBE_ENV = set(_fabric.NVSHMEM_ENV) | set(_fabric.NCCL_ENV) | {"LD_LIBRARY_PATH"}
@@ -48,16 +46,10 @@ def probe_env(**extra: str) -> dict[str, str]:
 def run_fabric(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict | None]:
-    report = tmp_path / "fabric.json"
-    proc = subprocess.run(
-        [sys.executable, str(PROBE), *args, "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env if env is not None else probe_env(),
-        cwd=tmp_path,
+    run = run_probe_in(
+        tmp_path, "check_fabric.py", *args, env=env if env is not None else probe_env(), timeout=120
     )
-    return proc, (json.loads(report.read_text()) if report.exists() else None)
+    return run.proc, run.report
 
 
 def statuses(report: dict) -> dict[str, str]:

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import check_installed
 import ld_trace
+import pytest
 
 EXT = "deep_ep_cpp.cpython-311-x86_64-linux-gnu.so"
 

@@ -19,17 +19,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _facts
+import check_te
 import pytest
+from _report import Status
+from conftest import run_probe_in
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBES = ROOT / "probes"
 PROBE = PROBES / "check_te.py"
 
-sys.path.insert(0, str(PROBES))
-
-import _facts  # noqa: E402
-import check_te  # noqa: E402
-from _report import Status  # noqa: E402
 
 te_absent = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here"
@@ -37,16 +36,8 @@ te_absent = pytest.mark.skipif(
 
 
 def run_probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
-    report = tmp_path / "te.json"
-    proc = subprocess.run(
-        [sys.executable, str(PROBE), *args, "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env or dict(os.environ),
-        cwd=tmp_path,
-    )
-    return proc, (json.loads(report.read_text()) if report.exists() else None)
+    run = run_probe_in(tmp_path, "check_te.py", *args, env=env or dict(os.environ))
+    return run.proc, run.report
 
 
 def cudnn_wheel_version() -> tuple[int, int, int]:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import dedup
+import dedup_tree
 import pytest
 from _fault_inject import build_shim, faulty_env
 from _venv_helpers import (
@@ -36,10 +38,6 @@ from _venv_helpers import (
     snapshot,
     uv,
 )
-
-sys.path.insert(0, str(SCRIPTS))
-import dedup
-import dedup_tree
 
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534
