@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""The image's own steps: put the selected venvs together, then make the image usable.
+
+Why: the venvs are built by scripts/make_venv.py in stages of their own (``ep-<backend>``), the
+same way host mode builds them. What is left is specific to the image, and runs here:
+
+``assemble BACKEND...`` (stage ``image-<EP>``): copy each selected venv out of its stage
+(bind-mounted at ``/mnt/ep-<backend>``) into ``/opt/venvs`` and hardlink identical files across
+them with scripts/dedup.py *in the same layer*: a later layer could only add to the image.
+
+``finish --ep EP --active EP_ACTIVE`` (stage ``final``): make a backend active
+(``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the registry's
+rule), put the venv's cuDNN ahead of the base image's (scripts/stage_cudnn.py), and write
+``/opt/venvs/image.json`` and ``env-manifest.json`` (probes/check_env.py).
+
+The set of backends is decided once, by the stage the Dockerfile's ``FROM image-${EP}`` picks;
+``finish`` reads it from the venvs that are there and only checks that EP names the same set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The repository root (or /opt/ep-image in the image), where the ep_image package sits.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import stage_cudnn  # sibling module (scripts/ is on sys.path as the script's directory)
+
+from ep_image import backends
+from ep_image.project import write_json
+
+HERE = Path(__file__).resolve().parent
+INFO_FILE = "ep-backend.json"
+
+
+class StageError(RuntimeError):
+    """The stage cannot do its job; the message says why and what fixes it."""
+
+
+def assemble(names: list[str], mounts: Path, prefix: Path) -> list[Path]:
+    """Copy ``<mounts>/ep-<name>/<name>`` to ``<prefix>/<name>`` for each, then deduplicate."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    venvs = []
+    for name in backends.expand_backends(names):
+        source = mounts / f"ep-{name}" / name
+        if not (source / INFO_FILE).is_file():
+            raise StageError(
+                f"{source} holds no venv (no {INFO_FILE}): stage ep-{name} did not build one, or "
+                "the builder did not mount it"
+            )
+        subprocess.run(["cp", "-a", str(source), str(prefix / name)], check=True)
+        venvs.append(prefix / name)
+    cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(prefix / "dedup.json")]
+    subprocess.run([*cmd, *map(str, venvs)], check=True)
+    return venvs
+
+
+def installed(prefix: Path) -> list[str]:
+    """Backends with a finished venv under ``prefix``, in registry order."""
+    return [n for n in backends.BACKEND_NAMES if (prefix / n / INFO_FILE).is_file()]
+
+
+def activate(prefix: Path, active: str) -> None:
+    """``use-ep --activate`` (the switch host mode uses too), with use-ep on PATH."""
+    link = Path("/usr/local/bin/use-ep")
+    if not link.exists():
+        link.symlink_to(HERE / "use-ep")
+    env = {**os.environ, "EP_PREFIX": str(prefix)}
+    subprocess.run(
+        [str(HERE / "use-ep"), "--activate", active], env=env, check=True, stdout=subprocess.DEVNULL
+    )
+
+
+def image_record(prefix: Path, ep: str, names: list[str], active: str) -> dict[str, object]:
+    """/opt/venvs/image.json: what the image holds and how to switch."""
+    venvs = {n: json.loads((prefix / n / INFO_FILE).read_text()) for n in names}
+    return {
+        "ep": ep,
+        "backends": names,
+        "active": active,
+        "default_backend": backends.DEFAULT_BACKEND,
+        "switch": 'eval "$(use-ep --activate BACKEND)", or run with -e EP_BACKEND=BACKEND',
+        "skipped_packages": {n: v.get("skipped_packages", []) for n, v in venvs.items()},
+        "lock_sha256": sorted({v.get("lock_sha256") for v in venvs.values()}),
+    }
+
+
+def manifest(prefix: Path) -> None:
+    """probes/check_env.py in the active venv; a failure is a warning, not a failed build."""
+    probe = HERE.parent / "probes" / "check_env.py"
+    python = prefix / "active" / "bin" / "python"
+    cmd = [str(python), str(probe), "--json", str(prefix / "env-manifest.json")]
+    if subprocess.run(cmd, check=False).returncode != 0:
+        print("image_stage: warning: check_env.py failed; env-manifest.json may be partial")
+
+
+def finish(ep: str, requested: str, prefix: Path) -> dict[str, object]:
+    """Activate, stage cuDNN, write the records; returns image.json's content."""
+    names = installed(prefix)
+    if not names:
+        raise StageError(f"no backend venv under {prefix}: the image-<EP> stage built none")
+    if backends.ep_value([ep]) != backends.ep_value(names):
+        raise StageError(f"EP={ep} but the image holds {', '.join(names)}: the Dockerfile is stale")
+    try:
+        active = backends.resolve_active(names, requested)
+    except backends.UnknownBackendError as exc:
+        raise StageError(f"EP_ACTIVE={requested}: {exc}") from None
+    activate(prefix, active)
+    runtime = stage_cudnn.stage(prefix)
+    stage_cudnn.record(prefix, runtime)
+    record = image_record(prefix, ep, names, active)
+    write_json(prefix / "image.json", record)
+    manifest(prefix)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="image_stage.py",
+        description="The Dockerfile's image-<EP> and final steps (see the module docstring).",
+    )
+    parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
+    sub = parser.add_subparsers(dest="step", required=True)
+    one = sub.add_parser("assemble", help="copy the selected venvs and deduplicate them")
+    one.add_argument("backends", nargs="+", metavar="BACKEND")
+    one.add_argument("--mounts", type=Path, default=Path("/mnt"))
+    two = sub.add_parser("finish", help="activate a backend, stage cuDNN, write the records")
+    two.add_argument("--ep", required=True, help="the EP build argument")
+    two.add_argument("--active", default="auto", help="the EP_ACTIVE build argument")
+    args = parser.parse_args(argv)
+    try:
+        if args.step == "assemble":
+            assemble(args.backends, args.mounts, args.prefix)
+        else:
+            print("image_stage: " + json.dumps(finish(args.ep, args.active, args.prefix)))
+    except (StageError, backends.UnknownBackendError) as exc:
+        print(f"image_stage: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
