@@ -4,17 +4,18 @@
 Why: the venvs are built by scripts/make_venv.py in stages of their own (``ep-<backend>``), the
 same way host mode builds them. What is left is specific to the image, and runs here:
 
-``assemble BACKEND...`` (stage ``image-<EP>``): copy each selected venv out of its stage
-(bind-mounted at ``/mnt/ep-<backend>``) into ``/opt/venvs`` and hardlink identical files across
-them with scripts/dedup.py *in the same layer*: a later layer could only add to the image.
+``assemble [--active EP_ACTIVE] BACKEND...`` (stage ``image-<EP>``), in one RUN so that one
+layer holds it all: copy each selected venv out of its stage (bind-mounted at
+``/mnt/ep-<backend>``) into ``/opt/venvs``; hardlink identical files across them with
+scripts/dedup.py *in the same layer* (a later layer could only add to the image); make one
+active (``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the
+registry's rule); put the venv's cuDNN ahead of the base image's (scripts/stage_cudnn.py);
+write ``/opt/venvs/image.json``.
 
-``finish --ep EP --active EP_ACTIVE`` (stage ``final``): make a backend active
-(``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the registry's
-rule), put the venv's cuDNN ahead of the base image's (scripts/stage_cudnn.py), and write
-``/opt/venvs/image.json`` and ``env-manifest.json`` (probes/check_env.py).
+``manifest`` (stage ``final``): ``/opt/venvs/env-manifest.json`` from probes/check_env.py.
 
-The set of backends is decided once, by the stage the Dockerfile's ``FROM image-${EP}`` picks;
-``finish`` reads it from the venvs that are there and only checks that EP names the same set.
+The set of backends is decided once, by the stage the Dockerfile's ``FROM image-${EP}`` picks,
+whose RUN names them; EP itself is never parsed here (image.json records its canonical value).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +59,9 @@ def assemble(names: list[str], mounts: Path, prefix: Path) -> list[Path]:
         venvs.append(prefix / name)
     cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(prefix / "dedup.json")]
     subprocess.run([*cmd, *map(str, venvs)], check=True)
+    te_record = HERE.parent / "te" / "te-build.json"  # the te stage's, via assemble-files
+    if te_record.is_file():
+        shutil.copy(te_record, prefix / "te-build.json")
     return venvs
 
 
@@ -99,13 +104,11 @@ def manifest(prefix: Path) -> None:
         print("image_stage: warning: check_env.py failed; env-manifest.json may be partial")
 
 
-def finish(ep: str, requested: str, prefix: Path) -> dict[str, object]:
-    """Activate, stage cuDNN, write the records; returns image.json's content."""
+def finish(prefix: Path, requested: str) -> dict[str, object]:
+    """Activate, stage cuDNN, write image.json; returns its content."""
     names = installed(prefix)
     if not names:
-        raise StageError(f"no backend venv under {prefix}: the image-<EP> stage built none")
-    if backends.ep_value([ep]) != backends.ep_value(names):
-        raise StageError(f"EP={ep} but the image holds {', '.join(names)}: the Dockerfile is stale")
+        raise StageError(f"no backend venv under {prefix}")
     try:
         active = backends.resolve_active(names, requested)
     except backends.UnknownBackendError as exc:
@@ -113,9 +116,8 @@ def finish(ep: str, requested: str, prefix: Path) -> dict[str, object]:
     activate(prefix, active)
     runtime = stage_cudnn.stage(prefix)
     stage_cudnn.record(prefix, runtime)
-    record = image_record(prefix, ep, names, active)
+    record = image_record(prefix, backends.ep_value(names), names, active)
     write_json(prefix / "image.json", record)
-    manifest(prefix)
     return record
 
 
@@ -126,18 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
     sub = parser.add_subparsers(dest="step", required=True)
-    one = sub.add_parser("assemble", help="copy the selected venvs and deduplicate them")
+    one = sub.add_parser(
+        "assemble", help="copy and deduplicate the selected venvs, activate one, write records"
+    )
     one.add_argument("backends", nargs="+", metavar="BACKEND")
     one.add_argument("--mounts", type=Path, default=Path("/mnt"))
-    two = sub.add_parser("finish", help="activate a backend, stage cuDNN, write the records")
-    two.add_argument("--ep", required=True, help="the EP build argument")
-    two.add_argument("--active", default="auto", help="the EP_ACTIVE build argument")
+    one.add_argument("--active", default="auto", help="the EP_ACTIVE build argument")
+    sub.add_parser("manifest", help="write env-manifest.json with probes/check_env.py")
     args = parser.parse_args(argv)
     try:
         if args.step == "assemble":
             assemble(args.backends, args.mounts, args.prefix)
+            print("image_stage: " + json.dumps(finish(args.prefix, args.active)))
         else:
-            print("image_stage: " + json.dumps(finish(args.ep, args.active, args.prefix)))
+            manifest(args.prefix)
     except (StageError, backends.UnknownBackendError) as exc:
         print(f"image_stage: error: {exc}", file=sys.stderr)
         return 1

@@ -51,10 +51,11 @@ class Progress:
         with self.lock:
             self.last_text = text
 
-    def say(self, text: str) -> None:
-        """Print ``text`` now (and remember it)."""
+    def say(self, text: str, remember: bool = True) -> None:
+        """Print ``text`` now (and remember it as the latest state)."""
         with self.lock:
-            self.last_text = text
+            if remember:
+                self.last_text = text
             self.last_print = time.monotonic()
             line = f"  [{self.label}] {self.last_print - self.started:5.0f}s: {text}"
             if self.capture is None:
@@ -66,4 +67,4 @@ class Progress:
     def _beat(self) -> None:
         while not self.stop.wait(5.0):
             if time.monotonic() - self.last_print >= HEARTBEAT_SECONDS:
-                self.say(f"still running; last: {self.last_text}")
+                self.say(f"still running; last: {self.last_text}", remember=False)
