@@ -728,8 +728,8 @@ def test_git_source_builds_through_the_gitconfig_secret(
         "'/opt/venvs/hybridep/ep-backend.json'))['nvshmem_build']))\");"
         "ldd $sp/deep_ep_cpp*.so | grep nvshmem;"
         "echo DIRECT-URL $(cat $sp/deep_ep-*.dist-info/direct_url.json);"
-        f"echo LEAKS $(grep -rIl --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev '{mirror}' / 2>/dev/null"
-        " | head -5);"
+        "echo LEAKS $(grep -rIl --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev "
+        f"'{mirror}' / 2>/dev/null | head -5);"
         "echo SECRETS $(ls /run/secrets 2>&1)"
     ))  # fmt: skip
     line = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.splitlines() if " " in ln}
