@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # The repository root (or /opt/ep-image in the image), where the ep_image package sits.
@@ -55,7 +56,9 @@ def assemble(names: list[str], mounts: Path, prefix: Path) -> list[Path]:
                 f"{source} holds no venv (no {INFO_FILE}): stage ep-{name} did not build one, or "
                 "the builder did not mount it"
             )
+        started = time.monotonic()
         subprocess.run(["cp", "-a", str(source), str(prefix / name)], check=True)
+        print(f"image_stage: copied {name} in {time.monotonic() - started:.0f}s", flush=True)
         venvs.append(prefix / name)
     cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(prefix / "dedup.json")]
     subprocess.run([*cmd, *map(str, venvs)], check=True)
@@ -100,7 +103,10 @@ def manifest(prefix: Path) -> None:
     probe = HERE.parent / "probes" / "check_env.py"
     python = prefix / "active" / "bin" / "python"
     cmd = [str(python), str(probe), "--json", str(prefix / "env-manifest.json")]
-    if subprocess.run(cmd, check=False).returncode != 0:
+    started = time.monotonic()
+    code = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL).returncode
+    print(f"image_stage: check_env.py exit {code} in {time.monotonic() - started:.0f}s")
+    if code != 0:
         print("image_stage: warning: check_env.py failed; env-manifest.json may be partial")
 
 

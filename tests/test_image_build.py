@@ -230,6 +230,8 @@ class Buildah:
     def __init__(self, store: Path, config: pytest.Config) -> None:
         self.store = store
         self.config = config
+        self.logs = CACHE / "logs"  # kept after the storage is removed, for a look at a failure
+        self.logs.mkdir(parents=True, exist_ok=True)
         self.tmp = CACHE / "tmp"  # buildah's TMPDIR: holds the cache mounts (uv's cache)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.flags = [
@@ -267,7 +269,7 @@ class Buildah:
         started = time.monotonic()
         with (
             Progress(self.config, f"image test: {log_name}") as progress,
-            (self.store / f"{log_name}.log").open("w") as sink,
+            (self.logs / f"{log_name.replace(':', '-')}.log").open("w") as sink,
         ):
             proc = subprocess.Popen(
                 [*cmd, str(context)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -299,11 +301,17 @@ class Buildah:
         return result.stdout
 
     def size(self, image: str) -> int:
-        """Bytes of the image's layers, as `buildah images` counts them."""
-        for entry in json.loads(self("images", "--json").stdout):
-            if any(name.endswith(image) for name in entry.get("names") or []):
-                return int(entry["size"])
-        raise AssertionError(f"no image {image}")
+        """Bytes of the image's layers (uncompressed, each layer once), from the storage's own
+        records: what the image adds up to, not what `du` of one container shows."""
+        root = self.store / "root"
+        images = json.loads((root / "vfs-images" / "images.json").read_text())
+        layers = {x["id"]: x for x in json.loads((root / "vfs-layers" / "layers.json").read_text())}
+        entry = next(i for i in images if any(n.endswith(image) for n in i.get("names") or []))
+        total, layer = 0, entry["layer"]
+        while layer:
+            total += layers[layer].get("diff-size") or 0
+            layer = layers[layer].get("parent")
+        return total
 
 
 def recipe_key() -> str:
