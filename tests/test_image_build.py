@@ -455,8 +455,8 @@ def build_image(buildah: Buildah, base: str, ep: str, tag: str, targets: list[st
     build = buildah.bud(tag, build_args(base, ep), tag)
     assert build.returncode == 0, build.text()[-6000:]
     builds.append(build)
-    for target in targets:
-        buildah("rmi", f"{tag}-{target}", check=False)  # the tag only; the layers stay cached
+    # The targets' tags stay: `buildah rmi` of a tag removes the image and its untagged
+    # parents, which would empty the layer cache the next EP's build is meant to hit.
     return Built(tag, sum(b.seconds for b in builds), buildah.size(tag), builds)
 
 
