@@ -651,7 +651,7 @@ def test_changing_only_ep_reuses_every_backend_stage(
     assert list(data["torch_inodes"]) == ["deepep_v2"]
     assert data["stages"] == ["deepep_v2.json"]
     multi, single = multi_build.size, buildah.size(single_build.image)
-    assert multi < 1.1 * single, f"a second backend costs {multi / single:.3f}x"
+    assert multi <= 1.02 * single, f"a second backend costs {multi / single:.3f}x (target 1.02x)"
     announce(pytestconfig, [
         f"EP={SINGLE_EP} after EP={MULTI_EP}: {single_build.seconds:.0f}s "
         f"(first build {multi_build.seconds:.0f}s); base, te and ep-deepep_v2 from cache, "
