@@ -86,7 +86,7 @@ def stage(prefix: Path) -> dict[str, object]:
         base = base_image_cudnn(prefix)
         return {"staged": False, "reason": str(err), "base_image": base}
     link = link_active(prefix, venv, cudnn.root)
-    LDCONF.write_text(f"# venv cuDNN first (docker/stage_cudnn.py)\n{link / 'lib'}\n")
+    LDCONF.write_text(f"# venv cuDNN first (scripts/stage_cudnn.py)\n{link / 'lib'}\n")
     subprocess.run(["ldconfig"], check=True)
     entries = ldconfig_entries(SONAME)
     if not entries or not entries[0].startswith(str(link)):
