@@ -13,7 +13,11 @@ through scripts/make_venv.py (``BackendSpec.build_needs`` holds ``nvshmem``):
 2. ``build_environment(venv)`` adds the unversioned ``libnvshmem_host.so`` link the wheel lacks
    and returns NVSHMEM_DIR (that directory, inside the venv) and LDFLAGS with the runpath
    ``$ORIGIN/nvidia/nvshmem/lib``: the extension sits at the top of site-packages, so it finds
-   the venv's own NVSHMEM relative to itself however the venv is renamed, copied or mounted;
+   the venv's own NVSHMEM relative to itself however the venv is renamed, copied or mounted.
+   With CUDA 13 it also puts ``$CUDA_HOME/include/cccl`` on CPATH: NVSHMEM's host headers
+   include libcu++ (``cuda/std/tuple``), which CUDA 13 keeps there, a directory nvcc adds by
+   itself but the C++ compiler building the extension's ``.cpp`` files does not (seen: the
+   HybridEP build stopped at ``deep_ep.cpp`` without it);
 3. make_venv syncs the backend with that environment, then ``check_extension(venv)`` reads the
    built extension's dynamic section and fails unless that runpath and the NVSHMEM library it
    needs are there (a wheel uv reused from its cache, built without this set-up, is caught).
@@ -74,7 +78,11 @@ def build_environment(venv: Path, base: dict[str, str] | None = None) -> dict[st
     link.symlink_to(versioned.name)
     env = dict(os.environ if base is None else base)
     ldflags = " ".join(filter(None, [env.get("LDFLAGS", ""), f"-Wl,-rpath,{RUNPATH}"]))
-    return {"NVSHMEM_DIR": str(root), "LDFLAGS": ldflags}
+    result = {"NVSHMEM_DIR": str(root), "LDFLAGS": ldflags}
+    cccl = Path(env.get("CUDA_HOME") or "/usr/local/cuda") / "include" / "cccl"
+    if cccl.is_dir():
+        result["CPATH"] = os.pathsep.join(filter(None, [str(cccl), env.get("CPATH", "")]))
+    return result
 
 
 # --- reading the built extension --------------------------------------------------------------

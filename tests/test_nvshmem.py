@@ -88,6 +88,17 @@ def test_an_extension_without_the_runpath_is_refused_with_the_fix(tmp_path: Path
         nvshmem.check_extension(venv)
 
 
+@needs_cc
+def test_cuda_13s_cccl_headers_go_on_cpath(tmp_path: Path) -> None:
+    """CUDA 13 keeps libcu++ in include/cccl; NVSHMEM's host headers need it in .cpp builds."""
+    venv = fake_venv(tmp_path / "venv")
+    home = tmp_path / "cuda"
+    (home / "include" / "cccl" / "cuda" / "std").mkdir(parents=True)
+    env = nvshmem.build_environment(venv, {"CUDA_HOME": str(home), "CPATH": "/x"})
+    assert env["CPATH"] == f"{home}/include/cccl:/x"
+    assert "CPATH" not in nvshmem.build_environment(venv, {"CUDA_HOME": str(tmp_path / "none")})
+
+
 def test_a_venv_without_nvshmem_names_the_skip_list(tmp_path: Path) -> None:
     venv = fake_venv(tmp_path / "venv", with_nvshmem=False)
     with pytest.raises(nvshmem.NvshmemError, match="VENV_SKIP_PACKAGES"):
