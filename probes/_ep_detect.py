@@ -6,15 +6,10 @@ than 2.30). So the probes first ask package metadata and the file layout what is
 and only then decide whether, and how carefully, to import it. It also turns a failed import
 into a verdict that names the fix.
 
-Identity rules (distribution first, file layout to confirm or decide):
-
-- ``tokenspeed-deepep`` 1.x -> ``deepep_v1``; ``tokenspeed-deepep`` 2.x -> ``deepep_v2``
-- ``sgl-deep-ep`` -> ``deepep_v2``
-- ``deep-ep`` built from git -> by layout: ``deep_ep/hybrid_ep_buffer.py`` means ``hybridep``
-  (NVIDIA's hybrid-ep branch), ``deep_ep/buffers/elastic.py`` means ``deepep_v2``,
-  ``deep_ep/buffer.py`` alone means ``deepep_v1``
-
-The marker files match scripts/ep_backends.py (a test ties the two together).
+Identity rules (distribution first, file layout to confirm or decide): the facts, which
+distribution and which marker file stands for which backend, live in the backend registry
+(``ep_image/backends.py``: ``PROVIDERS`` and ``layout_markers()``); the detection logic that
+applies them is here. A git build of DeepEP (``deep-ep``) is told apart by its layout only.
 """
 
 from __future__ import annotations
@@ -30,30 +25,26 @@ from typing import Any
 import _facts
 from _report import Status, one_line
 
-MODULE = "deep_ep"
-BACKEND_NAMES: tuple[str, ...] = ("deepep_v1", "deepep_v2", "hybridep")
+# The registry (ep_image/) sits beside probes/ in the repository and in the image (/opt/ep-image);
+# backend venvs hold only the lock's packages, so it is reached by path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ep_image import backends as registry
+
+MODULE = registry.MODULE
+BACKEND_NAMES: tuple[str, ...] = registry.BACKEND_NAMES
 REFERENCE_BACKEND = "torch"
 
-#: A file inside the ``deep_ep`` package that only this backend's layout has; checked in
-#: order, because the hybrid-ep branch also ships v1's ``buffer.py``.
-MARKERS: tuple[tuple[str, str], ...] = (
-    ("hybridep", "hybrid_ep_buffer.py"),
-    ("deepep_v2", "buffers/elastic.py"),
-    ("deepep_v1", "buffer.py"),
-)
+#: (backend, file inside the ``deep_ep`` package that only its layout has), in the order to test
+#: them (the hybrid-ep branch also ships v1's ``buffer.py``).
+MARKERS: tuple[tuple[str, str], ...] = registry.layout_markers()
 
-#: Distributions known to carry ``deep_ep``, for reporting and identification.
-KNOWN_DISTRIBUTIONS: tuple[str, ...] = ("sgl-deep-ep", "tokenspeed-deepep", "deep-ep", "deep_ep")
+#: Distributions known to carry ``deep_ep``, for reporting and identification (``deep_ep`` is
+#: the spelling some builds register under).
+KNOWN_DISTRIBUTIONS: tuple[str, ...] = (*registry.known_distributions(), "deep_ep")
 
 #: How a user gets each backend, for "missing" messages.
-INSTALL_HINTS: dict[str, str] = {
-    "deepep_v1": 'activate the deepep_v1 venv (eval "$(use-ep deepep_v1)") or '
-    "uv sync --extra deepep_v1",
-    "deepep_v2": 'activate the deepep_v2 venv (eval "$(use-ep deepep_v2)") or '
-    "uv sync --extra deepep_v2",
-    "hybridep": 'activate the hybridep venv (eval "$(use-ep hybridep)") or '
-    "uv sync --extra hybridep",
-}
+INSTALL_HINTS: dict[str, str] = {name: registry.install_hint(name) for name in BACKEND_NAMES}
 
 
 @dataclasses.dataclass
@@ -120,13 +111,7 @@ def backend_from_layout(package_dir: Path) -> str | None:
 
 def backend_from_distribution(name: str, version: str) -> str | None:
     """The backend a distribution name and version stand for, where the name alone tells."""
-    norm = name.lower().replace("_", "-")
-    if norm == "sgl-deep-ep":
-        return "deepep_v2"
-    if norm == "tokenspeed-deepep":
-        major = version.split(".", 1)[0]
-        return "deepep_v1" if major == "1" else "deepep_v2"
-    return None
+    return registry.backend_of_distribution(name, version)
 
 
 def _distribution_of() -> tuple[str | None, str | None]:
@@ -152,7 +137,10 @@ def detect_installed() -> Installed:
 
     layout = backend_from_layout(package_dir)
     by_dist = backend_from_distribution(dist_name, version or "") if dist_name else None
-    if layout and by_dist and layout != by_dist and layout != "hybridep":
+    # A layout that also ships other backends' markers (the hybrid-ep branch) is not reported as
+    # a mismatch: such builds are registered under several names.
+    shadowing = bool(layout and registry.spec(layout).also_ships_markers_of)
+    if layout and by_dist and layout != by_dist and not shadowing:
         reason = (
             f"{dist_name} {version} names {by_dist} but the files at {package_dir} have the "
             f"{layout} layout; going by the files"
@@ -253,8 +241,9 @@ RUN_TIME_HINTS: tuple[tuple[str, str], ...] = (
         "NCCL GIN is unavailable",
         "DeepEP v2 needs NCCL GIN (GPU-initiated networking) even on one node, and NCCL found "
         "no RDMA NIC for it (NET/IB: no device): run on a node with InfiniBand/RoCE NICs and "
-        "GPUDirect RDMA (probes/check_fabric.py tells what is missing), or pick deepep_v1 or "
-        "hybridep, which run over NVLink alone",
+        "GPUDirect RDMA (probes/check_fabric.py tells what is missing), or pick a backend that "
+        "runs over NVLink alone: "
+        + ", ".join(s.name for s in registry.SPECS if not s.needs_nccl_gin),
     ),
     (
         "CPU recv timeout",

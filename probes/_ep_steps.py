@@ -304,9 +304,6 @@ def _check_nccl(
         )
 
 
-_NVSHMEM_BUILDS = ("deepep_v1", "hybridep")
-
-
 def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) -> None:
     """NVSHMEM is reported, not required: the intranode paths checked here do not use it.
 
@@ -323,7 +320,11 @@ def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) 
         return
     found = nvshmem[1] if nvshmem else data["nvshmem_dir"]
     text = f"NVSHMEM {found}" if found else "NVSHMEM not found"
-    extension = _facts.extension_path("deep_ep_cpp") if backend.name in _NVSHMEM_BUILDS else None
+    links = (
+        backend.name in _ep_detect.BACKEND_NAMES
+        and _ep_detect.registry.spec(backend.name).links_nvshmem
+    )
+    extension = _facts.extension_path("deep_ep_cpp") if links else None
     if extension:
         linked = _facts.file_contains(extension, b"libnvshmem_host")
         data["nvshmem_linked_by"] = extension if linked else None

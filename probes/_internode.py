@@ -109,7 +109,12 @@ def backend_internode(installed: _ep_detect.Installed | None = None) -> dict[str
         "evidence": [],
         "hint": "",
     }
-    if inst.backend == "deepep_v1":
+    check = (
+        _ep_detect.registry.spec(inst.backend).internode_check
+        if inst.backend in _ep_detect.BACKEND_NAMES
+        else ""
+    )
+    if check == "nvshmem":
         ext = _facts.extension_path("deep_ep_cpp")
         needed = elf_needed(ext) if ext else None
         facts["extension"], facts["needed"] = ext, needed
@@ -121,7 +126,7 @@ def backend_internode(installed: _ep_detect.Installed | None = None) -> dict[str
                 else "deep_ep_cpp does not link libnvshmem_host: built without NVSHMEM"
             )
             facts["hint"] = "" if facts["internode"] else REBUILD_V1
-    elif inst.backend == "hybridep":
+    elif check == "rdma":
         ext = _facts.extension_path("hybrid_ep_cpp")
         needed = elf_needed(ext) if ext else None
         doca = (
@@ -142,7 +147,7 @@ def backend_internode(installed: _ep_detect.Installed | None = None) -> dict[str
                 "built without HYBRID_EP_MULTINODE (intranode only)"
             )
             facts["hint"] = "" if facts["internode"] else REBUILD_HYBRIDEP
-    elif inst.backend == "deepep_v2":
+    elif check == "nccl_gin":
         found = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
         facts["nccl"] = found[1] if found else None
         ok = _facts.version_at_least(facts["nccl"], V2_MIN_NCCL)

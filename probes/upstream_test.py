@@ -6,11 +6,13 @@ build works on a machine is DeepEP's own test suite run on the same GPU in the s
 script runs that suite from a checkout of the backend's pinned commit (never copied into this
 project) and writes its verdict as JSON beside check_ep's, so the two can be compared:
 
-  deepep_v1  tests/test_intranode.py (v1 layout, commit 567632dd)  exact counts, combine
-             calc_diff < 5e-6
-  hybridep   tests/test_hybrid_ep.py (hybrid-ep branch)            dispatch bitwise, combine
-             atol 2e-5 rtol 1e-2
-  deepep_v2  tests/elastic/test_ep.py                              combine bitwise
+  DeepEP v1   tests/test_intranode.py (v1 layout, commit 567632dd)  exact counts, combine
+              calc_diff < 5e-6
+  HybridEP    tests/test_hybrid_ep.py (hybrid-ep branch)            dispatch bitwise, combine
+              atol 2e-5 rtol 1e-2
+  DeepEP v2   tests/elastic/test_ep.py                              combine bitwise
+
+(which test belongs to which backend is the registry's ``upstream_test``).
 
 The test's checks and inputs are untouched. With ``--shared-gpu`` (several ranks on fewer
 GPUs) the one function upstream asks users to rewrite, ``init_dist`` in tests/utils.py ("you
@@ -18,7 +20,7 @@ may rewrite this function with your own cluster settings"), is replaced in a tem
 by one that uses a gloo group and places ranks round-robin on the visible GPUs, since NCCL
 refuses two ranks on one GPU. DeepEP v2 builds NCCL communicators and cannot share a GPU.
 
-  python probes/upstream_test.py --backend deepep_v1 --tests DeepEP/tests \\
+  python probes/upstream_test.py --backend NAME --tests DeepEP/tests \\
       --num-processes 2 --shared-gpu --shape deepseek-v3 --json out.json
 """
 
@@ -38,8 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The registry (ep_image/) sits beside probes/, in the repository and in the image.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _report import write_json_atomic
+
+from ep_image import backends as registry
 
 #: MoE layer shapes of the seeds' models: tokens per rank, hidden, experts, top-k.
 SHAPES = {
@@ -50,16 +56,15 @@ SHAPES = {
 
 @dataclass(frozen=True)
 class UpstreamTest:
-    """Where a backend's own test lives in its repository and how it takes a shape."""
+    """Where a backend's own test lives in its repository (under tests/)."""
 
     path: str
     shares_gpu: bool  # False: it builds NCCL communicators
 
 
+#: From the registry (ep_image/backends.py): each backend's own test and whether it can share a GPU.
 TESTS = {
-    "deepep_v1": UpstreamTest("test_intranode.py", True),
-    "hybridep": UpstreamTest("test_hybrid_ep.py", True),
-    "deepep_v2": UpstreamTest("elastic/test_ep.py", False),
+    s.name: UpstreamTest(s.upstream_test, s.shares_gpu) for s in registry.SPECS if s.upstream_test
 }
 
 SHARED_INIT_DIST = """def init_dist(local_rank: int, num_local_ranks: int):

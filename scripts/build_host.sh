@@ -27,7 +27,7 @@ identical files across them, so all of them cost about as much disk as one.
 
   --prefix DIR        where the venvs go (default: \$EP_PREFIX); use a filesystem that
                       supports hardlinks, and the same one for all backends
-  --backends LIST     comma list of deepep_v1, deepep_v2, hybridep, or all
+  --backends LIST     comma list of backends (scripts/ep_backends.py --names), or all
                       (default: \$EP_BACKENDS or all); a backend that fails does not stop the others
   --te-wheel PATH     Transformer Engine wheel from scripts/build_te.py, put in every venv
   --python PY         interpreter for the venvs (uv venv --python; uv may download one)
@@ -37,7 +37,9 @@ identical files across them, so all of them cost about as much disk as one.
   --activate BACKEND  point DIR/active at BACKEND when done
 
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
-Needs: uv on PATH, Python >= 3.11 to run the scripts (PYTHON=..., else python3, else uv's).
+Needs: uv (on PATH, or installed by python3 scripts/bootstrap.py), Python >= 3.11 to run the
+scripts (PYTHON=..., else python3, else uv's). Every step is scripts/make_venv.py, the command
+the image's ep-<backend> stages run too: HybridEP's NVSHMEM set-up included.
 EOF
 }
 
@@ -60,19 +62,17 @@ if [ -z "$prefix" ]; then
 fi
 mkdir -p "$prefix"
 prefix=$(cd "$prefix" && pwd)
-command -v uv >/dev/null || {
-    echo "build_host.sh: uv not found on PATH: install it (pip install --user uv)" >&2
-    exit 1
-}
-
 # The scripts need Python >= 3.11 (tomllib); a cluster's python3 is often older.
 py() {
     if [ -n "${PYTHON:-}" ]; then
         "$PYTHON" "$@"
     elif python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
         python3 "$@"
-    else
+    elif command -v uv >/dev/null; then
         uv run --no-project --python '>=3.11' python "$@"
+    else
+        echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 scripts/bootstrap.py" >&2
+        exit 1
     fi
 }
 

@@ -18,29 +18,43 @@ base image's copy, and the image must load that same cuDNN first at run time. Th
 4. writes ``te-build.json`` beside the wheel, so probes and the image can compare the cuDNN TE
    was built against with the one that is loaded.
 
-``--dry-run`` prints the exact environment and command and exits 0. ``--skip REASON`` writes a
-``te-build.json`` that records that TE was not built (CPU-only test images).
+``--dry-run`` prints the exact environment and command and exits 0. ``--skip REASON`` (or
+``--mode skip``) writes a ``te-build.json`` that records that TE was not built (CPU-only test
+images).
 
-Only the standard library is used: this runs before anything else exists in an image.
+Host mode and the image's ``te`` stage run this same command. Without ``--venv`` it makes a
+throwaway venv from the lock (``uv sync --frozen --extra moe --no-install-package
+transformer-engine``); without a TE checkout (``--source`` omitted, or ``--clone-unless-source``
+and a directory without setup.py, as the image's default TE_SOURCE) it clones the git URL and
+commit pyproject.toml pins, through any ``url.<mirror>.insteadOf`` of the git config. Both are
+deleted when the build ends.
+
+Only the standard library is used (plus ep_image, by path): this runs before anything else
+exists in an image.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
-import hashlib
-import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The repository root (or /opt/ep-image in the image), where the ep_image package sits.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ep_image import tools
+from ep_image.project import PinError, pinned_git, sha256_file, write_json
 
 CUDNN_DIST = "nvidia-cudnn-cu13"
 FRONTEND_DIST = "nvidia-cudnn-frontend"
@@ -260,12 +274,10 @@ def apply_links(source: Path, links: Mapping[str, Path]) -> None:
 
 def pinned_commit(project: Path) -> str | None:
     """The TE commit pinned in pyproject.toml [tool.uv.sources] (the one source of truth)."""
-    pyproject = project / "pyproject.toml"
-    if not pyproject.is_file():
+    try:
+        return pinned_git(project, TE_DIST)[1]
+    except PinError:
         return None
-    data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-    source = data.get("tool", {}).get("uv", {}).get("sources", {}).get(TE_DIST, {})
-    return source.get("rev") if isinstance(source, dict) else None
 
 
 def source_commit(source: Path) -> str | None:
@@ -372,26 +384,85 @@ def install_build_requirements(uv: str, venv: Path) -> None:
     subprocess.run(cmd, check=True)
 
 
-def sha256(path: Path) -> str:
-    """Hex SHA-256 of a file."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_record(out: Path, record: Mapping[str, object]) -> Path:
-    """Write te-build.json into OUT."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "te-build.json"
-    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return path
+    """Write te-build.json into OUT (atomically, world-readable)."""
+    return write_json(out / "te-build.json", record)
 
 
 def now() -> str:
     """UTC timestamp for records."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- inputs made on the fly: a venv from the lock, a clone of the pinned commit ------------------
+
+
+def run_logged(cmd: Sequence[str], **kw: object) -> None:
+    """Run a command, printing it first; its output streams to ours."""
+    print("build_te: " + shlex.join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
+
+
+def make_build_venv(uv: str, venv: Path, project: Path) -> Path:
+    """The environment TE compiles against: the lock's ``moe`` extra without TE itself, exactly
+    as the backend venvs get it (no bytecode: it lives only for this build)."""
+    python = os.environ.get("UV_PYTHON")
+    run_logged([uv, "venv", *(["--python", python] if python else []), str(venv)])
+    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv), "UV_COMPILE_BYTECODE": "0"}
+    run_logged(
+        [uv, "sync", "--frozen", "--no-install-project", "--project", str(project),
+         "--extra", "moe", "--no-install-package", TE_DIST],
+        env=env,
+    )  # fmt: skip
+    return venv
+
+
+def clone_pinned(project: Path, dest: Path) -> Path:
+    """Clone the TE URL + commit pinned in pyproject.toml, submodules included.
+
+    git applies the git config's ``url.<mirror>.insteadOf`` rules (the image passes them as the
+    ``gitconfig`` secret), so an air-gapped build clones from its mirror.
+    """
+    try:
+        url, rev = pinned_git(project, TE_DIST)
+    except PinError as exc:
+        raise BuildTeError(str(exc)) from None
+    print(f"build_te: cloning {url} at {rev} (pinned in pyproject.toml)", flush=True)
+    try:
+        run_logged(["git", "clone", "--quiet", url, str(dest)])
+        run_logged(["git", "-C", str(dest), "checkout", "--quiet", rev])
+        run_logged(["git", "-C", str(dest), "submodule", "update", "--init", "--recursive"])
+    except subprocess.CalledProcessError:
+        raise BuildTeError(
+            f"cloning {url} at {rev} failed (output above). Fix: give the build access to "
+            "github.com, or point git at a mirror that holds the commit and TE's submodules: "
+            f"`git config --global url.<mirror>.insteadOf {url}` (image builds: the gitconfig "
+            "secret, docs/image.md), or pass --source with a checkout."
+        ) from None
+    return dest
+
+
+@contextlib.contextmanager
+def build_inputs(args: argparse.Namespace) -> Iterator[tuple[Path, Path]]:
+    """(venv, source) for the build: the given ones, or temporary ones removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="build-te-") as tmp:
+        venv = args.venv
+        if venv is None:
+            venv = make_build_venv(args.uv, Path(tmp) / "venv", args.project.resolve())
+        source = args.source
+        clone = source is None or (args.clone_unless_source and not (source / "setup.py").is_file())
+        if clone:
+            source = clone_pinned(args.project.resolve(), Path(tmp) / "TransformerEngine")
+        yield venv, source
+
+
+def mode_arg(value: str) -> str:
+    """--mode / the image's TE_BUILD: build or skip."""
+    if value not in ("build", "skip"):
+        raise argparse.ArgumentTypeError(
+            f"must be 'build' or 'skip' (the image's TE_BUILD), got {value!r}"
+        )
+    return value
 
 
 # --- CLI -----------------------------------------------------------------------------------------
@@ -408,8 +479,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             '--arch-list "9.0;10.0" --jobs 8 --out dist/te'
         ),
     )
-    parser.add_argument("--venv", type=Path, help="venv made by `uv sync --extra moe ...`")
-    parser.add_argument("--source", type=Path, help="TransformerEngine source tree")
+    parser.add_argument(
+        "--mode",
+        type=mode_arg,
+        default="build",
+        help="build (default) or skip: record that TE was not built (the image's TE_BUILD)",
+    )
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        help="venv made by `uv sync --extra moe ...` (default: a throwaway one from the lock)",
+    )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        help="TransformerEngine source tree (default: a clone of the commit pyproject.toml pins)",
+    )
+    parser.add_argument(
+        "--clone-unless-source",
+        action="store_true",
+        help="clone the pinned commit when --source holds no setup.py (the image's TE_SOURCE)",
+    )
     parser.add_argument(
         "--arch-list",
         default="9.0;10.0",
@@ -426,7 +516,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=REPO_ROOT,
         help="project whose pyproject.toml pins the TE commit (default: this repo)",
     )
-    parser.add_argument("--uv", default="uv", help="uv executable (default: uv on PATH)")
+    parser.add_argument("--uv", help="uv executable (default: uv on PATH, or bootstrap.py's)")
     parser.add_argument(
         "--install-build-deps",
         action="store_true",
@@ -441,8 +531,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="build nothing; write te-build.json saying TE was skipped and why",
     )
     args = parser.parse_args(argv)
-    if args.skip is None and (args.venv is None or args.source is None):
-        parser.error("--venv and --source are required (unless --skip REASON)")
+    if args.mode == "skip" and args.skip is None:
+        args.skip = "--mode skip (the image's TE_BUILD=skip): CPU-only image, TE not built"
+    if args.dry_run and (args.venv is None or args.source is None):
+        parser.error("--dry-run needs --venv and --source")
     if args.jobs < 1 or args.threads_per_job < 1:
         parser.error("--jobs and --threads-per-job must be >= 1")
     return args
@@ -465,9 +557,11 @@ def skip_record(args: argparse.Namespace) -> dict[str, object]:
     return record
 
 
-def plan(args: argparse.Namespace) -> tuple[dict[str, str], list[str], dict[str, object]]:
+def plan(
+    args: argparse.Namespace, venv: Path, source: Path
+) -> tuple[dict[str, str], list[str], dict[str, object]]:
     """Everything discovered before building: env overrides, command, partial record."""
-    venv, source = args.venv.resolve(), args.source.resolve()
+    venv, source = venv.resolve(), source.resolve()
     cudnn = find_cudnn(venv)
     version = te_version(source)
     env = build_env(os.environ, venv, cudnn, args.arch_list, args.jobs, args.threads_per_job)
@@ -528,8 +622,11 @@ def check_pins(record: Mapping[str, object]) -> None:
         )
 
 
-def build(args: argparse.Namespace, env: dict[str, str], cmd: list[str], record: dict) -> Path:
+def build(
+    args: argparse.Namespace, venv: Path, source: Path, plan_: tuple[dict, list, dict]
+) -> Path:
     """Run the build and write te-build.json; return the wheel."""
+    env, cmd, record = plan_
     if record["source_missing"]:
         raise BuildTeError(
             "the TE source tree lacks: "
@@ -540,12 +637,12 @@ def build(args: argparse.Namespace, env: dict[str, str], cmd: list[str], record:
     check_pins(record)
     if record["torch_version"] is None:
         raise BuildTeError(
-            f"torch is not installed in {args.venv}; TE's PyTorch extension compiles against "
+            f"torch is not installed in {venv}; TE's PyTorch extension compiles against "
             "it. Fix: `uv sync --frozen --extra moe --no-install-package transformer-engine`."
         )
     if args.install_build_deps:
-        install_build_requirements(args.uv, args.venv.resolve())
-    missing = record["build_requirements_missing"] = missing_build_requirements(args.venv.resolve())
+        install_build_requirements(args.uv, venv.resolve())
+    missing = record["build_requirements_missing"] = missing_build_requirements(venv.resolve())
     if missing:
         raise BuildTeError(
             f"TE's build tools are missing from the venv: {' '.join(missing)}. Fix: rerun "
@@ -554,7 +651,7 @@ def build(args: argparse.Namespace, env: dict[str, str], cmd: list[str], record:
         )
     full_env = {**os.environ, **env}
     record["cuda_version"] = cuda_version(full_env)
-    apply_links(args.source.resolve(), {k: Path(v) for k, v in record["source_links"].items()})
+    apply_links(source.resolve(), {k: Path(v) for k, v in record["source_links"].items()})
     args.out.mkdir(parents=True, exist_ok=True)
     before = set(args.out.glob("transformer_engine-*.whl"))
     started = time.monotonic()
@@ -569,10 +666,10 @@ def build(args: argparse.Namespace, env: dict[str, str], cmd: list[str], record:
         raise BuildTeError(f"expected one new transformer_engine wheel in {args.out}, got {wheels}")
     record.update(
         wheel=wheels[0].name,
-        wheel_sha256=sha256(wheels[0]),
+        wheel_sha256=sha256_file(wheels[0]),
         build_seconds=round(time.monotonic() - started, 1),
         built_at=now(),
-        python=str(args.venv / "bin" / "python"),
+        python=str(venv / "bin" / "python"),
     )
     write_record(args.out, record)
     return wheels[0]
@@ -585,12 +682,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = write_record(args.out, skip_record(args))
             print(f"build_te: TE build skipped ({args.skip}); recorded in {path}")
             return 0
-        env, cmd, record = plan(args)
+        if args.uv is None:  # by name when on PATH: the printed commands stay pasteable
+            args.uv = "uv" if shutil.which("uv") else tools.find_uv()
         if args.dry_run:
-            print_plan(env, cmd, record)
+            print_plan(*plan(args, args.venv, args.source))
             return 0
-        wheel = build(args, env, cmd, record)
-    except BuildTeError as err:
+        with build_inputs(args) as (venv, source):
+            planned = plan(args, venv, source)
+            record = planned[2]
+            wheel = build(args, venv, source, planned)
+    except (BuildTeError, tools.ToolError) as err:
         print(f"build_te: error: {err}", file=sys.stderr)
         return 1
     print(f"build_te: built {wheel} against cuDNN {record['cudnn_version']}")

@@ -21,16 +21,20 @@ How:
   themselves and the activate scripts compute the venv's location. Before the rename the
   script checks that no file in ``bin/`` names the temporary directory.
 
+- A backend whose build needs NVSHMEM (HybridEP, see ``BackendSpec.build_needs``) is synced in
+  two steps: everything but its own distribution, then that distribution built against the
+  venv's own nvidia-nvshmem-cu13 with a ``$ORIGIN`` runpath (ep_image/nvshmem.py). The image's
+  ep stages run this same script, so host mode and the image build it identically.
+
 HybridEP is a git source (github.com/deepseek-ai/DeepEP). Where the clone fails, the error says
 so and names the two fixes: network to GitHub, or a mirror through git's
-``url.<mirror>.insteadOf``.
+``url.<mirror>.insteadOf`` (in an image build: the ``gitconfig`` build secret).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
@@ -40,9 +44,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository root (or /opt/ep-image in the image), where the ep_image package sits.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ep_backends  # sibling module: scripts/ is not a package
+from ep_image import backends as ep_backends
+from ep_image import nvshmem, tools
+from ep_image.project import sha256_file, write_json
 
 INFO_FILE = "ep-backend.json"
 TE_DISTRIBUTION = "transformer-engine"
@@ -66,7 +73,6 @@ class Options:
     te_wheels: list[Path] = field(default_factory=list)
     python: str | None = None
     no_install_packages: list[str] = field(default_factory=list)
-    dedup: bool = False
     keep_going: bool = False
     compile_bytecode: bool = False
 
@@ -74,18 +80,12 @@ class Options:
 # --------------------------------------------------------------------------- helpers
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file."""
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def uv_executable() -> str:
-    """Path of uv, or a BuildError naming how to get it."""
-    uv = shutil.which("uv")
-    if not uv:
-        raise BuildError("uv not found on PATH: install it (`pip install uv`) or add it to PATH")
-    return uv
+    """Path of uv, or a BuildError naming the pinned version and how to install it."""
+    try:
+        return tools.find_uv()
+    except tools.ToolError as exc:
+        raise BuildError(str(exc)) from None
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
@@ -121,7 +121,8 @@ def git_fix_message(backend: ep_backends.Backend, uv_error: str) -> str:
         "Fix: give the build network access to github.com, "
         "or point git at a mirror that holds that commit (and its submodules), e.g. "
         f"`git config --global url.<mirror-url>.insteadOf {backend.git}` "
-        "(in a container build, pass the git config in as a secret or bind mount). "
+        "(in an image build: pass that git config as the build secret `gitconfig`, "
+        "docs/image.md). "
         f"uv's error (in full above) ends:\n{tail(uv_error)}"
     )
 
@@ -153,13 +154,17 @@ def installed_distributions(uv: str, venv: Path) -> list[dict[str, str]]:
     )
 
 
-def pip_check(uv: str, venv: Path) -> dict[str, object]:
-    """``uv pip check``: records missing requirements (e.g. TE's, installed with --no-deps)."""
+def pip_check(uv: str, venv: Path, project: Path) -> dict[str, object]:
+    """``uv pip check``: records missing requirements (e.g. TE's, installed with --no-deps).
+
+    Run in ``project``: uv applies that project's ``dependency-metadata`` to what it checks.
+    """
     proc = subprocess.run(
         [uv, "pip", "check", "--python", str(venv / "bin" / "python")],
         capture_output=True,
         text=True,
         check=False,
+        cwd=project,
     )
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     output = "\n".join(line for line in lines if not line.startswith("Using Python"))
@@ -190,16 +195,12 @@ def create_venv(uv: str, venv: Path, python: str | None, project: Path) -> None:
     run([*cmd, str(venv)], cwd=project)
 
 
-def sync_backend(
-    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str], te: bool
-) -> None:
-    """``uv sync --frozen`` of the backend's extra into ``venv`` (bytecode: compile_bytecode).
-
-    With ``te``, also the ``te`` extra: TE's runtime dependencies and the cuDNN it was built
-    against come from the lock, and only TE itself from the prebuilt wheel.
+def sync_command(
+    uv: str, backend: ep_backends.Backend, project: Path, skip: list[str], te: bool
+) -> list[str]:
+    """``uv sync --frozen`` of the backend's extra (plus ``te``: TE's runtime dependencies and
+    the cuDNN it was built against come from the lock, only TE itself from the prebuilt wheel).
     """
-    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
-    env.pop("UV_COMPILE_BYTECODE", None)
     cmd = [
         uv,
         "sync",
@@ -213,8 +214,43 @@ def sync_backend(
     ]
     for package in [TE_DISTRIBUTION, *skip]:
         cmd += ["--no-install-package", package]
+    return cmd
+
+
+def sync_backend(
+    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str], te: bool
+) -> dict[str, object] | None:
+    """Sync the backend's extra into ``venv``; returns the NVSHMEM record, if it needed one.
+
+    A backend whose build needs NVSHMEM is synced in two steps (ep_image/nvshmem.py): all but
+    its distribution, then the distribution built against the venv's NVSHMEM, then checked.
+    """
+    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
+    env.pop("UV_COMPILE_BYTECODE", None)
+    cmd = sync_command(uv, backend, project, skip, te)
+    builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and not any(
+        ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
+    )
     try:
-        run(cmd, env=env, cwd=project)
+        if not builds_nvshmem:
+            run(cmd, env=env, cwd=project)
+            return None
+        run([*cmd, "--no-install-package", backend.distribution], env=env, cwd=project)
+        build_env = nvshmem.build_environment(venv, env)
+        print(f"make_venv: {backend.name}: building against {build_env}", flush=True)
+        run(cmd, env={**env, **build_env}, cwd=project)
+        try:
+            checked = nvshmem.check_extension(venv)
+        except nvshmem.NvshmemError as exc:
+            # A wheel from uv's cache built without this set-up: rebuild it once, here.
+            print(f"make_venv: {exc}\nmake_venv: rebuilding {backend.distribution}", flush=True)
+            refresh = ["--refresh-package", backend.distribution]
+            refresh += ["--reinstall-package", backend.distribution]
+            run([*cmd, *refresh], env={**env, **build_env}, cwd=project)
+            checked = nvshmem.check_extension(venv)
+        return {**build_env, "extension": checked}
+    except nvshmem.NvshmemError as exc:
+        raise BuildError(f"{backend.name}: {exc}") from None
     except BuildError as exc:
         if backend.git and looks_like_git_failure(str(exc)):
             raise BuildError(git_fix_message(backend, str(exc))) from None
@@ -332,6 +368,7 @@ def build_info(
     opts: Options,
     installed: list[dict[str, str]],
     backend_installed: bool,
+    nvshmem_build: dict[str, object] | None = None,
 ) -> dict[str, object]:
     """The content of ep-backend.json."""
     return {
@@ -350,7 +387,8 @@ def build_info(
         "skipped_packages": [TE_DISTRIBUTION, *opts.no_install_packages],
         "te_wheels": [{"file": w.name, "sha256": sha256_file(w)} for w in opts.te_wheels],
         "installed": installed,
-        "pip_check": pip_check(uv, venv),
+        "pip_check": pip_check(uv, venv, opts.project),
+        "nvshmem_build": nvshmem_build,
         "relocatable": True,
         "bytecode": "checked-hash, paths relative to site-packages"
         if opts.compile_bytecode
@@ -381,7 +419,7 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
     temp = new_temp_dir(opts.prefix, name)
     try:
         create_venv(uv, temp, opts.python, opts.project)
-        sync_backend(
+        nvshmem_build = sync_backend(
             uv, temp, backend, opts.project, opts.no_install_packages, te=bool(opts.te_wheels)
         )
         install_te(uv, temp, opts.te_wheels)
@@ -390,8 +428,8 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
         installed = installed_distributions(uv, temp)
         present = verify_backend(temp, backend, installed)
         assert_relocated(temp, temp.name)
-        info = build_info(uv, temp, backend, opts, installed, present)
-        (temp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        info = build_info(uv, temp, backend, opts, installed, present, nvshmem_build)
+        write_json(temp / INFO_FILE, info)
         final = opts.prefix / name
         move_into_place(temp, final)
     except BaseException:
@@ -474,6 +512,15 @@ def parse_args(argv: list[str] | None) -> Options:
         metavar="PATH",
         help="Transformer Engine wheel from build_te.py, installed with --no-deps (repeatable)",
     )
+    parser.add_argument(
+        "--te-wheel-dir",
+        type=Path,
+        metavar="DIR",
+        help=(
+            "install every transformer_engine-*.whl in DIR (the image's te stage output); "
+            "a DIR without one means no TE, which is said, not an error"
+        ),
+    )
     parser.add_argument("--python", help="interpreter for the venv (passed to uv venv --python)")
     parser.add_argument(
         "--no-install-package",
@@ -486,6 +533,12 @@ def parse_args(argv: list[str] | None) -> Options:
         ),
     )
     parser.add_argument(
+        "--no-install-packages",
+        default="",
+        metavar="LIST",
+        help="the same for a space- or comma-separated LIST (the image's VENV_SKIP_PACKAGES)",
+    )
+    parser.add_argument(
         "--compile-bytecode",
         action="store_true",
         help=(
@@ -493,11 +546,6 @@ def parse_args(argv: list[str] | None) -> Options:
             "(so dedup.py can share them); also on when UV_COMPILE_BYTECODE is set, which is "
             "then not passed to uv"
         ),
-    )
-    parser.add_argument(
-        "--dedup",
-        action="store_true",
-        help="after building, hardlink identical files across every venv in the prefix",
     )
     parser.add_argument(
         "--keep-going",
@@ -509,28 +557,23 @@ def parse_args(argv: list[str] | None) -> Options:
         backends = ep_backends.expand_backends(args.backend)
     except ep_backends.UnknownBackendError as exc:
         parser.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
+    te_wheels = [w.resolve() for w in args.te_wheel]
+    if args.te_wheel_dir is not None:
+        found = sorted(args.te_wheel_dir.resolve().glob("transformer_engine-*.whl"))
+        if not found:
+            print(f"make_venv: no transformer_engine-*.whl in {args.te_wheel_dir}: no TE")
+        te_wheels += found
+    skip = [*args.no_install_package, *args.no_install_packages.replace(",", " ").split()]
     return Options(
         backends=backends,
         prefix=args.prefix.resolve(),
         project=args.project.resolve(),
-        te_wheels=[w.resolve() for w in args.te_wheel],
+        te_wheels=te_wheels,
         python=args.python,
-        no_install_packages=args.no_install_package,
-        dedup=args.dedup,
+        no_install_packages=skip,
         keep_going=args.keep_going,
         compile_bytecode=wants_bytecode(args.compile_bytecode),
     )
-
-
-def run_dedup(prefix: Path) -> None:
-    """Host mode: link identical files across every finished venv under the prefix."""
-    import dedup  # sibling module, imported only when asked for
-
-    venvs = sorted(p for p in prefix.iterdir() if (p / INFO_FILE).is_file() and not p.is_symlink())
-    if len(venvs) < 2:
-        print(f"make_venv: --dedup: {len(venvs)} venv(s) under {prefix}, nothing to share")
-        return
-    dedup.print_report(dedup.dedup(venvs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,8 +591,6 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(name)
                 if not opts.keep_going:
                     break
-        if opts.dedup:
-            run_dedup(opts.prefix)
     except BuildError as exc:
         print(f"make_venv: error: {exc}", file=sys.stderr)
         return EXIT_BUILD_FAILED

@@ -220,3 +220,43 @@ def test_source_commit_must_match_the_pin() -> None:
     with pytest.raises(build_te.BuildTeError, match=r"pyproject\.toml pins"):
         build_te.check_pins(record)
     build_te.check_pins({"te_commit_pinned": "a" * 40, "te_commit_source": None})
+
+
+def fake_te_project(tmp_path: Path) -> tuple[Path, str]:
+    """A bare git repository standing in for TransformerEngine, and a project pinning it."""
+    work = tmp_path / "te-work"
+    work.mkdir()
+    (work / "setup.py").write_text("# stand-in\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@invalid"]
+    subprocess.run([*git, "init", "-q", "-b", "main", str(work)], check=True)
+    subprocess.run([*git, "-C", str(work), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(work), "commit", "-q", "-m", "te"], check=True)
+    commit = subprocess.run(["git", "-C", str(work), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()  # fmt: skip
+    subprocess.run(["git", "clone", "-q", "--bare", str(work), str(tmp_path / "TE.git")],
+                   check=True)  # fmt: skip
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(
+        "[tool.uv.sources]\ntransformer-engine = { git = "
+        f'"https://github.com/NVIDIA/TransformerEngine", rev = "{commit}" }}\n'
+    )
+    return project, commit
+
+
+def test_clone_of_the_pin_goes_through_the_git_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The te stage's clone honours url.<mirror>.insteadOf (the image's gitconfig secret)."""
+    project, commit = fake_te_project(tmp_path)
+    config = tmp_path / "gitconfig"
+    config.write_text(
+        f'[url "file://{tmp_path}/TE.git"]\n\tinsteadOf = https://github.com/NVIDIA/TransformerEngine\n'
+    )
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    dest = build_te.clone_pinned(project, tmp_path / "src")
+    assert build_te.source_commit(dest) == commit
+    config.write_text('[url "file:///nonexistent/"]\n\tinsteadOf = https://github.com/\n')
+    with pytest.raises(build_te.BuildTeError, match="gitconfig secret"):
+        build_te.clone_pinned(project, tmp_path / "src2")

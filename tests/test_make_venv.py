@@ -11,15 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import ep_backends
+import fake_hybridep
 import pytest
 from _venv_helpers import ROOT, SCRIPTS, build_wheel, site_packages
 
-sys.path.insert(0, str(SCRIPTS))
-import ep_backends
+from ep_image import nvshmem, project, tools
 
 MAKE_VENV = SCRIPTS / "make_venv.py"
 
@@ -40,6 +42,15 @@ def test_unknown_backend_exits_2_and_lists_the_valid_ones(tmp_path: Path) -> Non
         assert name in proc.stderr
     assert "deepep_v3" in proc.stderr
     assert not (tmp_path / "venvs").exists()
+
+
+def test_uv_missing_names_the_pinned_version(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(tmp_path)}
+    if shutil.which("uv", path=env["PATH"]):
+        pytest.skip("uv is installed system-wide here")
+    proc = make_venv("--backend", "deepep_v2", "--prefix", tmp_path / "venvs", env=env)
+    assert proc.returncode == 1
+    assert f"uv {tools.UV_VERSION}" in proc.stderr and "scripts/bootstrap.py" in proc.stderr
 
 
 def test_help_reads_like_documentation() -> None:
@@ -84,6 +95,50 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in message
     assert not (prefix / "hybridep").exists()
     assert leftovers(prefix) == [], "no temporary venv left behind"
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None,
+    reason="the stand-in HybridEP needs a C compiler (python3 scripts/bootstrap.py --tests)",
+)
+def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: Path) -> None:
+    """Host mode's HybridEP build: the git source through url.<mirror>.insteadOf, and
+    make_venv's NVSHMEM set-up (the image's ep-hybridep stage runs the same, see
+    test_image_build.py::test_git_source_builds_through_the_gitconfig_secret)."""
+    version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
+    fake = fake_hybridep.make(tmp_path / "mirror", version, dict(os.environ))
+    config = fake_hybridep.gitconfig(tmp_path / "gitconfig", f"file://{fake.bare}")
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
+    prefix = tmp_path / "venvs"
+    args = ("--backend", "hybridep", "--prefix", prefix, "--project", fake.project)
+    proc = make_venv(*args, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = prefix / "hybridep"
+    sp = site_packages(venv)
+    built_with = json.loads((sp / "deep_ep" / "_build_env.json").read_text())
+    fake_hybridep.assert_built_by_make_venv(built_with, str(prefix))
+    info = json.loads((venv / "ep-backend.json").read_text())
+    assert info["backend_installed"] is True
+    assert info["nvshmem_build"]["extension"]["runpath"] == [nvshmem.RUNPATH]
+    # The venv was renamed into place: the real loader finds NVSHMEM through $ORIGIN.
+    extension = next(sp.glob("deep_ep_cpp*.so"))
+    ldd = subprocess.run(["ldd", str(extension)], capture_output=True, text=True).stdout
+    assert f"=> {sp}/nvidia/nvshmem/lib/libnvshmem_host.so.3" in ldd, ldd
+    assert leftovers(prefix) == []
+
+
+def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
+    """One code path: build_host.sh and the image's ep-<backend> stages both run make_venv.py,
+    and the NVSHMEM set-up lives only in ep_image/nvshmem.py, which make_venv calls."""
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
+    stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
+    assert "/opt/ep-image/scripts/make_venv.py --backend hybridep" in stage
+    assert "make_venv.py" in (SCRIPTS / "build_host.sh").read_text()
+    assert "nvshmem.build_environment(" in (SCRIPTS / "make_venv.py").read_text()
+    for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh"]:
+        if path.is_file():
+            assert "NVSHMEM_DIR" not in path.read_text(), f"{path} has its own NVSHMEM set-up"
 
 
 @pytest.mark.slow

@@ -110,10 +110,3 @@ def test_empty_prefix_says_how_to_build(tmp_path: Path) -> None:
     proc = use_ep(tmp_path, "deepep_v2")
     assert proc.returncode == 2 and "make_venv.py" in proc.stderr
     assert use_ep(tmp_path, "--list").stdout == ""
-
-
-@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck not installed")
-def test_shellcheck_clean() -> None:
-    for script in (USE_EP, SCRIPTS / "build_host.sh"):
-        proc = subprocess.run(["shellcheck", "-s", "sh", str(script)], capture_output=True)
-        assert proc.returncode == 0, proc.stdout.decode()

@@ -5,7 +5,7 @@ Why: Transformer Engine is compiled against the cuDNN that uv installs into each
 (``nvidia-cudnn-cu13``, see scripts/build_te.py). A CUDA "cudnn" base image carries its own,
 usually different, cuDNN in the linker's default path. If that one is loaded, TE calls into a
 cuDNN it was not built for; the failure shows up late (fused-attention backward), not at import.
-So the final stage:
+So the image's final stage (scripts/image_stage.py finish):
 
 - links ``<prefix>/active-cudnn`` to the active venv's ``site-packages/nvidia/cudnn`` (through
   ``<prefix>/active``, so switching backend with ``use-ep --activate`` follows along), which the
@@ -17,7 +17,7 @@ So the final stage:
 - adds a ``cudnn_runtime`` section to ``<prefix>/te-build.json``: the venv's cuDNN version (what
   TE was built against) next to the base image's (what is shadowed).
 
-Standard library only; shares cuDNN discovery with scripts/build_te.py.
+Standard library only; shares cuDNN discovery with scripts/build_te.py (a sibling module).
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import build_te  # sibling module: one implementation of cuDNN discovery
+
 LDCONF = Path("/etc/ld.so.conf.d/000-ep-venv-cudnn.conf")
 SONAME = "libcudnn.so.9"
 BASE_HEADERS = (
@@ -40,14 +44,6 @@ BASE_HEADERS = (
 )
 
 
-def load_build_te(scripts: Path):
-    """Import scripts/build_te.py (one implementation of cuDNN discovery)."""
-    sys.path.insert(0, str(scripts))
-    import build_te
-
-    return build_te
-
-
 def ldconfig_entries(soname: str) -> list[str]:
     """Paths `ldconfig -p` lists for soname, in the order the loader tries them."""
     out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
@@ -55,7 +51,7 @@ def ldconfig_entries(soname: str) -> list[str]:
     return [m.group(1) for line in out.splitlines() if (m := pattern.match(line))]
 
 
-def base_image_cudnn(build_te, prefix: Path) -> dict[str, object]:
+def base_image_cudnn(prefix: Path) -> dict[str, object]:
     """The base image's own cuDNN: version from its header, libraries from ldconfig."""
     libs = [p for p in ldconfig_entries(SONAME) if not p.startswith(str(prefix))]
     version = None
@@ -79,19 +75,18 @@ def link_active(prefix: Path, venv: Path, cudnn_root: Path) -> Path:
     return link
 
 
-def stage(prefix: Path, scripts: Path) -> dict[str, object]:
+def stage(prefix: Path) -> dict[str, object]:
     """Link, configure the loader, verify; return the cudnn_runtime record."""
-    build_te = load_build_te(scripts)
     venv = (prefix / "active").resolve()
     try:
         cudnn = build_te.find_cudnn(venv)
     except build_te.BuildTeError as err:
         # Only a test image built with VENV_SKIP_PACKAGES lacks it; say so in the record.
         print(f"stage_cudnn: warning: {err}", file=sys.stderr)
-        base = base_image_cudnn(build_te, prefix)
+        base = base_image_cudnn(prefix)
         return {"staged": False, "reason": str(err), "base_image": base}
     link = link_active(prefix, venv, cudnn.root)
-    LDCONF.write_text(f"# venv cuDNN first (docker/stage_cudnn.py)\n{link / 'lib'}\n")
+    LDCONF.write_text(f"# venv cuDNN first (scripts/stage_cudnn.py)\n{link / 'lib'}\n")
     subprocess.run(["ldconfig"], check=True)
     entries = ldconfig_entries(SONAME)
     if not entries or not entries[0].startswith(str(link)):
@@ -107,7 +102,7 @@ def stage(prefix: Path, scripts: Path) -> dict[str, object]:
         "venv_lib_resolved": str(cudnn.lib),
         "ldconfig_order": entries,
         "ld_library_path_first": str(link / "lib"),
-        "base_image": base_image_cudnn(build_te, prefix),
+        "base_image": base_image_cudnn(prefix),
     }
 
 
@@ -128,9 +123,8 @@ def record(prefix: Path, runtime: dict[str, object]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
-    parser.add_argument("--scripts", type=Path, default=Path("/opt/ep-image/scripts"))
     args = parser.parse_args(argv)
-    runtime = stage(args.prefix, args.scripts)
+    runtime = stage(args.prefix)
     record(args.prefix, runtime)
     print("stage_cudnn: " + json.dumps(runtime))
     return 0

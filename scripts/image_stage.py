@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""The image's own steps: put the selected venvs together, then make the image usable.
+
+Why: the venvs are built by scripts/make_venv.py in stages of their own (``ep-<backend>``), the
+same way host mode builds them. What is left is specific to the image, and runs here:
+
+``assemble [--active EP_ACTIVE] BACKEND...`` (stage ``image-<EP>``), in one RUN so that one
+layer holds it all: copy each selected venv out of its stage (bind-mounted at
+``/mnt/ep-<backend>``) into ``/opt/venvs``; hardlink identical files across them with
+scripts/dedup.py *in the same layer* (a later layer could only add to the image); make one
+active (``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the
+registry's rule); put the venv's cuDNN ahead of the base image's (scripts/stage_cudnn.py);
+write ``/opt/venvs/image.json``.
+
+``manifest`` (stage ``final``): ``/opt/venvs/env-manifest.json`` from probes/check_env.py.
+
+The set of backends is decided once, by the stage the Dockerfile's ``FROM image-${EP}`` picks,
+whose RUN names them; EP itself is never parsed here (image.json records its canonical value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The repository root (or /opt/ep-image in the image), where the ep_image package sits.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import stage_cudnn  # sibling module (scripts/ is on sys.path as the script's directory)
+
+from ep_image import backends
+from ep_image.project import write_json
+
+HERE = Path(__file__).resolve().parent
+INFO_FILE = "ep-backend.json"
+
+
+class StageError(RuntimeError):
+    """The stage cannot do its job; the message says why and what fixes it."""
+
+
+def assemble(names: list[str], mounts: Path, prefix: Path) -> list[Path]:
+    """Copy ``<mounts>/ep-<name>/<name>`` to ``<prefix>/<name>`` for each, then deduplicate."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    venvs = []
+    for name in backends.expand_backends(names):
+        source = mounts / f"ep-{name}" / name
+        if not (source / INFO_FILE).is_file():
+            raise StageError(
+                f"{source} holds no venv (no {INFO_FILE}): stage ep-{name} did not build one, or "
+                "the builder did not mount it"
+            )
+        started = time.monotonic()
+        subprocess.run(["cp", "-a", str(source), str(prefix / name)], check=True)
+        print(f"image_stage: copied {name} in {time.monotonic() - started:.0f}s", flush=True)
+        venvs.append(prefix / name)
+    cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(prefix / "dedup.json")]
+    subprocess.run([*cmd, *map(str, venvs)], check=True)
+    te_record = HERE.parent / "te" / "te-build.json"  # the te stage's, via assemble-files
+    if te_record.is_file():
+        shutil.copy(te_record, prefix / "te-build.json")
+    return venvs
+
+
+def installed(prefix: Path) -> list[str]:
+    """Backends with a finished venv under ``prefix``, in registry order."""
+    return [n for n in backends.BACKEND_NAMES if (prefix / n / INFO_FILE).is_file()]
+
+
+def activate(prefix: Path, active: str) -> None:
+    """``use-ep --activate`` (the switch host mode uses too), with use-ep on PATH."""
+    link = Path("/usr/local/bin/use-ep")
+    if not link.exists():
+        link.symlink_to(HERE / "use-ep")
+    env = {**os.environ, "EP_PREFIX": str(prefix)}
+    subprocess.run(
+        [str(HERE / "use-ep"), "--activate", active], env=env, check=True, stdout=subprocess.DEVNULL
+    )
+
+
+def image_record(prefix: Path, ep: str, names: list[str], active: str) -> dict[str, object]:
+    """/opt/venvs/image.json: what the image holds and how to switch."""
+    venvs = {n: json.loads((prefix / n / INFO_FILE).read_text()) for n in names}
+    return {
+        "ep": ep,
+        "backends": names,
+        "active": active,
+        "default_backend": backends.DEFAULT_BACKEND,
+        "switch": 'eval "$(use-ep --activate BACKEND)", or run with -e EP_BACKEND=BACKEND',
+        "skipped_packages": {n: v.get("skipped_packages", []) for n, v in venvs.items()},
+        "lock_sha256": sorted({v.get("lock_sha256") for v in venvs.values()}),
+    }
+
+
+def manifest(prefix: Path) -> None:
+    """probes/check_env.py in the active venv; a failure is a warning, not a failed build."""
+    probe = HERE.parent / "probes" / "check_env.py"
+    python = prefix / "active" / "bin" / "python"
+    cmd = [str(python), str(probe), "--json", str(prefix / "env-manifest.json")]
+    started = time.monotonic()
+    code = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL).returncode
+    print(f"image_stage: check_env.py exit {code} in {time.monotonic() - started:.0f}s")
+    if code != 0:
+        print("image_stage: warning: check_env.py failed; env-manifest.json may be partial")
+
+
+def finish(prefix: Path, requested: str) -> dict[str, object]:
+    """Activate, stage cuDNN, write image.json; returns its content."""
+    names = installed(prefix)
+    if not names:
+        raise StageError(f"no backend venv under {prefix}")
+    try:
+        active = backends.resolve_active(names, requested)
+    except backends.UnknownBackendError as exc:
+        raise StageError(f"EP_ACTIVE={requested}: {exc}") from None
+    activate(prefix, active)
+    runtime = stage_cudnn.stage(prefix)
+    stage_cudnn.record(prefix, runtime)
+    record = image_record(prefix, backends.ep_value(names), names, active)
+    write_json(prefix / "image.json", record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="image_stage.py",
+        description="The Dockerfile's image-<EP> and final steps (see the module docstring).",
+    )
+    parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
+    sub = parser.add_subparsers(dest="step", required=True)
+    one = sub.add_parser(
+        "assemble", help="copy and deduplicate the selected venvs, activate one, write records"
+    )
+    one.add_argument("backends", nargs="+", metavar="BACKEND")
+    one.add_argument("--mounts", type=Path, default=Path("/mnt"))
+    one.add_argument("--active", default="auto", help="the EP_ACTIVE build argument")
+    sub.add_parser("manifest", help="write env-manifest.json with probes/check_env.py")
+    args = parser.parse_args(argv)
+    try:
+        if args.step == "assemble":
+            assemble(args.backends, args.mounts, args.prefix)
+            print("image_stage: " + json.dumps(finish(args.prefix, args.active)))
+        else:
+            manifest(args.prefix)
+    except (StageError, backends.UnknownBackendError) as exc:
+        print(f"image_stage: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

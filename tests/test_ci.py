@@ -1,0 +1,75 @@
+"""README's commands, .ci/run and scripts/bootstrap.py agree, and the pinned uv is one version.
+
+Why: a newcomer runs README's two commands on a fresh machine; CI runs .ci/run. If the two
+drift, CI proves something the newcomer never runs. The uv version is written in
+ep_image/tools.py and repeated where Python cannot be imported (.ci/run, ci.yml, the
+Dockerfile, README): these tests hold the copies equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from ep_image import tools
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+BOOTSTRAP = ROOT / "scripts" / "bootstrap.py"
+
+
+def readme_command(label: str) -> str:
+    """The first line of the fenced block after README's bold ``label``."""
+    text = (ROOT / "README.md").read_text()
+    after = text.split(f"**{label}**", 1)[1]
+    return after.split("```sh\n", 1)[1].split("\n", 1)[0]
+
+
+def test_ci_run_runs_readmes_test_command() -> None:
+    command = readme_command("The tests")
+    assert command.startswith("python3 scripts/bootstrap.py --tests -- uv run")
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any(line.startswith(command + " ") or line == command for line in lines), (
+        f".ci/run does not run README's test command: {command}"
+    )
+
+
+def test_the_main_job_installs_uv_first() -> None:
+    command = readme_command("The main job")
+    assert command.startswith("python3 scripts/bootstrap.py && python3 scripts/make_venv.py")
+
+
+def test_one_uv_version_everywhere() -> None:
+    run = re.search(r"^UV_VERSION=(\S+)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert run and run.group(1) == tools.UV_VERSION
+    assert f"ARG UV_VERSION={tools.UV_VERSION}\n" in (ROOT / "docker" / "Dockerfile").read_text()
+    assert f'UV_VERSION: "{tools.UV_VERSION}"' in (ROOT / ".github/workflows/ci.yml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert f"uv {tools.UV_VERSION}" in readme
+
+
+def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
+    """With the pinned uv on PATH nothing is downloaded; the command's exit code comes back."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    check = (
+        "import subprocess, sys; "
+        "print(subprocess.check_output(['uv', '--version'], text=True)); sys.exit(3)"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(BOOTSTRAP), "--", sys.executable, "-c", check],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert f"uv {tools.UV_VERSION}" in proc.stdout
+    assert f"uv {tools.UV_VERSION}" in proc.stderr  # it says which uv it uses
+
+
+def test_bootstrap_help_reads_like_documentation() -> None:
+    proc = subprocess.run([sys.executable, str(BOOTSTRAP), "--help"], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    for text in ("--tests", tools.UV_VERSION, "buildah", "debootstrap", "COMMAND"):
+        assert text in proc.stdout, text

@@ -1,0 +1,144 @@
+"""The backend registry (ep_image/backends.py) and every place that must agree with it.
+
+One table, many readers: scripts and probes import the registry; what cannot import it (the
+Dockerfile's stages, the workflows' EP lists, pyproject.toml's extras, docker/select-ep's input)
+is checked against it here, so adding a backend fails loudly until every copy follows.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import _ep_detect
+import pytest
+import yaml
+
+from ep_image import backends
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_registry_matches_pyproject() -> None:
+    registry = backends.load_registry(ROOT)
+    assert tuple(registry) == backends.BACKEND_NAMES
+    pyproject = backends.read_pyproject(ROOT)
+    conflicts = pyproject["tool"]["uv"]["conflicts"][0]
+    assert [c["extra"] for c in conflicts] == list(backends.BACKEND_NAMES)
+    for backend in registry.values():
+        assert backend.requirement.startswith(backend.distribution)
+    moe = pyproject["project"]["optional-dependencies"]["moe"]
+    assert f"ep-image[{backends.DEFAULT_BACKEND}]" in moe, "moe must hold the default backend"
+
+
+def test_names_and_selections() -> None:
+    for name in backends.BACKEND_NAMES:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", name), f"{name}: '-' joins names in EP values"
+    assert backends.expand_backends(["all"]) == list(backends.BACKEND_NAMES)
+    assert backends.expand_backends(["hybridep,deepep_v1"]) == ["deepep_v1", "hybridep"]
+    assert backends.expand_backends(["deepep_v2-deepep_v1"]) == ["deepep_v1", "deepep_v2"]
+    with pytest.raises(backends.UnknownBackendError, match="deepep_v1, deepep_v2, hybridep"):
+        backends.expand_backends(["deepep_v3"])
+    values = dict(backends.image_ep_values())
+    assert values["all"] == list(backends.BACKEND_NAMES)
+    assert values["deepep_v1-deepep_v2"] == ["deepep_v1", "deepep_v2"]
+    assert len(values) == 2 ** len(backends.BACKEND_NAMES) - 1
+    assert backends.ep_value(["deepep_v2", "deepep_v1"]) == "deepep_v1-deepep_v2"
+
+
+def test_active_backend_rule() -> None:
+    assert backends.resolve_active(["all"]) == backends.DEFAULT_BACKEND
+    assert backends.resolve_active(["deepep_v1", "hybridep"]) == "deepep_v1"
+    assert backends.resolve_active(["all"], "hybridep") == "hybridep"
+    with pytest.raises(backends.UnknownBackendError, match="not among the selected"):
+        backends.resolve_active(["deepep_v2"], "deepep_v1")
+
+
+def test_the_probe_reads_the_registry() -> None:
+    """_ep_detect keeps the detection logic; its tables are the registry's, not copies."""
+    assert _ep_detect.BACKEND_NAMES is backends.BACKEND_NAMES
+    assert backends.layout_markers() == _ep_detect.MARKERS
+    assert dict(_ep_detect.MARKERS)["hybridep"] == "hybrid_ep_buffer.py"
+    assert _ep_detect.MARKERS[0][0] == "hybridep", "the hybrid-ep layout also ships buffer.py"
+    assert _ep_detect.backend_from_distribution("tokenspeed-deepep", "2.1.0") == "deepep_v2"
+    assert _ep_detect.backend_from_distribution("tokenspeed_deepep", "1.2.1") == "deepep_v1"
+    assert _ep_detect.backend_from_distribution("deep-ep", "1.2.1") is None
+    for name in backends.BACKEND_NAMES:
+        assert f"use-ep {name}" in _ep_detect.INSTALL_HINTS[name]
+
+
+def test_cli_lists_the_registry() -> None:
+    def cli(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "ep_backends.py"), *args],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+    assert cli("--names").split() == list(backends.BACKEND_NAMES)
+    assert cli("--default").strip() == backends.DEFAULT_BACKEND
+    assert [line.split("\t")[0] for line in cli("--image-ep").splitlines()] == [
+        v for v, _ in backends.image_ep_values()
+    ]
+
+
+def test_workflow_ep_lists_equal_the_registry() -> None:
+    """The image matrix and the GPU workflow's choices: every backend alone, plus all."""
+    expected = sorted([*backends.BACKEND_NAMES, backends.ALL])
+    matrix = yaml.safe_load((ROOT / ".github/workflows/image-build.yml").read_text())
+    eps = [job["strategy"]["matrix"]["ep"] for job in matrix["jobs"].values()
+           if "ep" in (job.get("strategy") or {}).get("matrix", {})]  # fmt: skip
+    assert eps and all(sorted(ep) == expected for ep in eps), eps
+    gpu = yaml.safe_load((ROOT / ".github/workflows/gpu-probes.yml").read_text())
+    triggers = gpu.get("on") or gpu.get(True)  # YAML 1.1 reads `on:` as True
+    assert sorted(triggers["workflow_dispatch"]["inputs"]["ep"]["options"]) == expected
+
+
+def test_the_shared_gpu_job_runs_the_backends_that_can_share_a_gpu() -> None:
+    """gpu-probes.yml's shared-GPU matrix is the registry's backends with ``shares_gpu``."""
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "gpu-probes.yml").read_text())
+    matrix = workflow["jobs"]["shared-gpu"]["strategy"]["matrix"]["backend"]
+    assert matrix == [s.name for s in backends.SPECS if s.shares_gpu]
+
+
+# Files that still spell a backend name although they should take it from the registry. Each is
+# owned by another change; remove it from this list once it imports ep_image.backends.
+NOT_YET_ON_THE_REGISTRY = {
+    "probes/check_ep.py",
+    "probes/ep_adapters.py",
+    "scripts/dedup.py",
+}
+# Where a backend name may appear: the registry itself, its tests, docs, the pins, the
+# Dockerfile's generated stages (checked against the registry) and the workflows' EP lists
+# (checked above).
+ALLOWED = ("docs/", "tests/", "README.md", "pyproject.toml", "uv.lock", "ep_image/backends.py")
+
+
+def test_backend_names_are_spelled_only_where_the_registry_reaches() -> None:
+    """`git grep -n deepep_v1` outside docs, tests, pins and the registry finds only the
+    Dockerfile's generated stages and the workflows' EP lists (both checked against the
+    registry). deepep_v1 is the canary: no file needs it as an example or a default."""
+    found = subprocess.run(
+        ["git", "grep", "-n", "deepep_v1", "--", "."],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    ).stdout.splitlines()  # fmt: skip
+    if not found:
+        pytest.skip("not a git checkout")
+    offenders = []
+    for line in found:
+        path, _, text = line.split(":", 2)
+        if path.startswith(ALLOWED) or path in NOT_YET_ON_THE_REGISTRY:
+            continue
+        if path == "docker/Dockerfile" and _is_generated_or_stage_name(text):
+            continue
+        if path.startswith(".github/workflows/") and re.search(r"(ep|options|backend): \[", text):
+            continue
+        offenders.append(line)
+    assert not offenders, "backend names outside the registry:\n" + "\n".join(offenders)
+
+
+def _is_generated_or_stage_name(text: str) -> bool:
+    from ep_image import dockerfile
+
+    return text in dockerfile.render().splitlines() or bool(re.match(r"FROM \S+ AS ", text))
