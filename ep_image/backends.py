@@ -121,9 +121,10 @@ SPECS: tuple[BackendSpec, ...] = (
         internode_check="rdma",
         upstream_test="test_hybrid_ep.py",
         build_hint=(
-            "compiled from its pinned git commit: needs git access to the commit (GitHub, or a "
-            "mirror through url.<mirror>.insteadOf), a CUDA toolkit with nvcc and libcuda "
-            "(or its stub), and libibverbs-dev"
+            "compiled from its pinned git commit, multi-node (HYBRID_EP_MULTINODE=1): needs git "
+            "access to the commit and its NVIDIA/nccl submodule (GitHub, or a mirror through "
+            "url.<mirror>.insteadOf), a CUDA toolkit with nvcc and the libcuda and NVML stubs, "
+            "and rdma-core's headers (libibverbs-dev)"
         ),
     ),
 )

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_image import backends as ep_backends
-from ep_image import nvshmem, tools
+from ep_image import nvshmem, source_build, tools
 from ep_image.project import sha256_file, write_json
 
 INFO_FILE = "ep-backend.json"
@@ -228,9 +228,12 @@ def sync_backend(
     env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
     env.pop("UV_COMPILE_BYTECODE", None)
     cmd = sync_command(uv, backend, project, skip, te)
-    builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and not any(
+    skipped = any(
         ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
     )
+    builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and not skipped
+    if ep_backends.spec(backend.name).builds_from_source and not skipped:
+        env.update(prepare_source_build(uv, venv, backend, project, env))
     try:
         if not builds_nvshmem:
             run(cmd, env=env, cwd=project)
@@ -257,6 +260,33 @@ def sync_backend(
         raise BuildError(
             f"{backend.name}: uv sync failed (output above); it ends:\n{tail(str(exc))}"
         ) from None
+
+
+def prepare_source_build(
+    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, env: dict[str, str]
+) -> dict[str, str]:
+    """Before a backend is compiled: what it will miss (with the fix), the NVML stub its
+    multi-node build links, and uv's cache keyed on the build's environment inputs
+    (ep_image/source_build.py). Returns the variables to add to the build's environment."""
+    variables = source_build.declared_variables(
+        ep_backends.read_pyproject(project), backend.distribution
+    )
+    problems = source_build.preflight(variables, env)
+    if problems:
+        raise BuildError(f"{backend.name} cannot be built here:\n  - " + "\n  - ".join(problems))
+    extra: dict[str, str] = {}
+    if source_build.multinode_doca(variables):
+        # Inside the temporary venv, which is renamed into place: removed after the build.
+        extra.update(source_build.nvml_stub(env, venv / source_build.SCRATCH))
+    key = source_build.build_key({**env, **extra}, variables)
+    state = source_build.refresh_cache(uv, backend.distribution, key, env)
+    print(
+        f"make_venv: {backend.name}: build key {source_build.key_digest(key)[:12]} ({state}"
+        + ("; its cached builds dropped" if state == "changed" else "")
+        + f"){', NVML stub on LIBRARY_PATH' if extra else ''}",
+        flush=True,
+    )
+    return extra
 
 
 def install_te(uv: str, venv: Path, wheels: list[Path]) -> None:
@@ -422,6 +452,7 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
         nvshmem_build = sync_backend(
             uv, temp, backend, opts.project, opts.no_install_packages, te=bool(opts.te_wheels)
         )
+        shutil.rmtree(temp / source_build.SCRATCH, ignore_errors=True)
         install_te(uv, temp, opts.te_wheels)
         if opts.compile_bytecode:
             compile_bytecode(temp)

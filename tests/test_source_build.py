@@ -1,0 +1,158 @@
+"""ep_image/source_build.py: a backend's source build is checked first, links NVML, and is keyed.
+
+Why these tests: HybridEP's multi-node build needs rdma-core headers and links
+``libnvidia-ml.so.1`` (absent on a build machine without a driver); without the checks it fails
+minutes into the compile. And uv reuses a cached wheel when only the environment changed
+(TORCH_CUDA_ARCH_LIST, another nvcc), so the key must make it rebuild: shown here with the real
+uv and a package whose build records its environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_build_variables import Consumer
+
+from ep_image import source_build
+
+ROOT = Path(__file__).resolve().parents[1]
+NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
+
+
+def fake_cuda(root: Path, stub: bool = True, release: str = "13.0") -> Path:
+    """A CUDA home with an nvcc that prints its release, and (``stub``) the NVML stub."""
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(NVCC.replace("13.0", release))
+    nvcc.chmod(0o755)
+    if stub:
+        (root / "lib64" / "stubs").mkdir(parents=True)
+        compile_shared(
+            root / "lib64" / "stubs" / "libnvidia-ml.so", "int nvmlInit_v2(void){return 0;}"
+        )
+    return root
+
+
+def compile_shared(out: Path, source: str, *args: str) -> None:
+    if not shutil.which("gcc"):
+        pytest.skip("gcc not installed (python3 scripts/bootstrap.py --tests installs it)")
+    src = out.with_suffix(".c")
+    src.write_text(source + "\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src), *args], check=True)
+
+
+def rdma_home(root: Path, headers: tuple[str, ...] = source_build.RDMA_HEADERS) -> Path:
+    for header in headers:
+        (root / "include" / header).parent.mkdir(parents=True, exist_ok=True)
+        (root / "include" / header).write_text("/* rdma-core */\n")
+    return root
+
+
+MULTINODE = {"HYBRID_EP_MULTINODE": "1", "USE_NIXL": "0"}
+
+
+def test_the_projects_declared_variables_select_the_multinode_doca_build() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    variables = source_build.declared_variables(pyproject, "deep-ep")
+    assert source_build.multinode_doca(variables)
+    assert not source_build.multinode_doca({**variables, "USE_NIXL": "1"})
+    assert not source_build.multinode_doca({})
+
+
+def test_preflight_names_missing_rdma_headers_and_nvcc(tmp_path: Path) -> None:
+    cuda = fake_cuda(tmp_path / "cuda")
+    rdma = rdma_home(tmp_path / "rdma", headers=("infiniband/verbs.h",))
+    variables = {**MULTINODE, "RDMA_CORE_HOME": str(rdma)}
+    problems = source_build.preflight(variables, {"CUDA_HOME": str(cuda)})
+    assert len(problems) == 1 and "infiniband/mlx5dv.h" in problems[0], problems
+    assert "apt-get install libibverbs-dev" in problems[0]
+
+    rdma_home(rdma)
+    assert source_build.preflight(variables, {"CUDA_HOME": str(cuda)}) == []
+
+    problems = source_build.preflight(variables, {"CUDA_HOME": str(tmp_path / "none")})
+    assert any("no nvcc" in p and "CUDA_HOME" in p for p in problems), problems
+    assert any("libnvidia-ml.so.1" in p for p in problems), problems
+    # An intranode build has no RDMA or NVML needs to check.
+    assert source_build.preflight({}, {"CUDA_HOME": str(cuda)}) == []
+
+
+def test_the_nvml_stub_lets_the_linker_resolve_libnvidia_ml_so_1(tmp_path: Path) -> None:
+    """What setup.py's ``-l:libnvidia-ml.so.1`` needs: without the stub link the real linker
+    fails; with the LIBRARY_PATH nvml_stub returns it links, and the result names .so.1."""
+    cuda = fake_cuda(tmp_path / "cuda")
+    env = {"CUDA_HOME": str(cuda), "LIBRARY_PATH": ""}
+    source = "int nvmlInit_v2(void); int probe(void){return nvmlInit_v2();}"
+    with pytest.raises(subprocess.CalledProcessError):
+        compile_shared(tmp_path / "without.so", source, "-l:libnvidia-ml.so.1", "-Wl,-z,defs")
+    extra = source_build.nvml_stub(env, tmp_path / "scratch")
+    assert extra["LIBRARY_PATH"].split(os.pathsep)[0] == str(tmp_path / "scratch")
+    gcc_env = {**os.environ, **extra}
+    src = tmp_path / "with.c"
+    src.write_text(source + "\n")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "with.so"), str(src),
+         "-l:libnvidia-ml.so.1", "-Wl,-z,defs"],
+        check=True, env=gcc_env,
+    )  # fmt: skip
+    dynamic = subprocess.run(
+        ["readelf", "-d", str(tmp_path / "with.so")], capture_output=True, text=True, check=True
+    ).stdout
+    assert "[libnvidia-ml.so.1]" in dynamic
+    # A driver's library already on the link path: no stub.
+    assert (
+        source_build.nvml_stub({**env, "LIBRARY_PATH": str(tmp_path / "scratch")}, tmp_path / "x")
+        == {}
+    )
+
+
+def test_build_key_follows_the_arch_list_and_the_nvcc_release(tmp_path: Path) -> None:
+    cuda = fake_cuda(tmp_path / "cuda", stub=False)
+    env = {"CUDA_HOME": str(cuda), "TORCH_CUDA_ARCH_LIST": "9.0"}
+    key = source_build.build_key(env, MULTINODE)
+    assert key["nvcc"] == "Cuda compilation tools, release 13.0, V13.0.88"
+    assert key["declared:HYBRID_EP_MULTINODE"] == "1"
+    digest = source_build.key_digest(key)
+    assert digest == source_build.key_digest(source_build.build_key(dict(env), MULTINODE))
+    other_arch = source_build.build_key({**env, "TORCH_CUDA_ARCH_LIST": "9.0;10.0"}, MULTINODE)
+    assert source_build.key_digest(other_arch) != digest
+    (cuda / "bin" / "nvcc").write_text(NVCC.replace("13.0", "13.1"))
+    assert source_build.key_digest(source_build.build_key(env, MULTINODE)) != digest
+    # The venv-derived paths make_venv sets are not part of it (they change every build).
+    noisy = {**env, "NVSHMEM_DIR": "/p/.hybridep.tmp-1/x", "LDFLAGS": "-L/p/.hybridep.tmp-1"}
+    assert source_build.key_digest(source_build.build_key(noisy, MULTINODE)) != digest  # nvcc
+    (cuda / "bin" / "nvcc").write_text(NVCC)
+    assert source_build.key_digest(source_build.build_key(noisy, MULTINODE)) == digest
+
+
+def test_a_changed_environment_input_rebuilds_through_the_real_uv(tmp_path: Path) -> None:
+    """uv alone reuses the wheel when TORCH_CUDA_ARCH_LIST changes (test_build_variables.py);
+    with refresh_cache keyed on it, the next build runs again and sees the new value."""
+    if not shutil.which("uv"):
+        pytest.skip("uv not on PATH")
+    consumer = Consumer(tmp_path, MULTINODE)
+    distribution = "build-env-record"
+    uv_env = {**os.environ, "UV_CACHE_DIR": str(consumer.cache)}
+
+    def key(arch: str) -> dict[str, str | None]:
+        return source_build.build_key({"TORCH_CUDA_ARCH_LIST": arch}, MULTINODE)
+
+    assert source_build.refresh_cache("uv", distribution, key("9.0"), uv_env) == "first"
+    first = consumer.sync(TORCH_CUDA_ARCH_LIST="9.0")
+    assert first["env"]["TORCH_CUDA_ARCH_LIST"] == "9.0"
+
+    assert source_build.refresh_cache("uv", distribution, key("9.0"), uv_env) == "unchanged"
+    again = consumer.sync("--reinstall-package", distribution, TORCH_CUDA_ARCH_LIST="9.0")
+    assert again["nonce"] == first["nonce"]  # the cached wheel, rightly
+
+    assert source_build.refresh_cache("uv", distribution, key("10.0"), uv_env) == "changed"
+    rebuilt = consumer.sync("--reinstall-package", distribution, TORCH_CUDA_ARCH_LIST="10.0")
+    assert rebuilt["nonce"] != first["nonce"]
+    assert rebuilt["env"]["TORCH_CUDA_ARCH_LIST"] == "10.0"
+    record = consumer.cache / f"{source_build.KEY_PREFIX}{distribution}.json"
+    assert '"TORCH_CUDA_ARCH_LIST": "10.0"' in record.read_text()
