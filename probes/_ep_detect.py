@@ -239,11 +239,12 @@ NCCL_FIX = (
 RUN_TIME_HINTS: tuple[tuple[str, str], ...] = (
     (
         "NCCL GIN is unavailable",
-        "DeepEP v2 needs NCCL GIN (GPU-initiated networking) even on one node, and NCCL found "
-        "no RDMA NIC for it (NET/IB: no device): run on a node with InfiniBand/RoCE NICs and "
-        "GPUDirect RDMA (probes/check_fabric.py tells what is missing), or pick a backend that "
-        "runs over NVLink alone: "
-        + ", ".join(s.name for s in registry.SPECS if not s.needs_nccl_gin),
+        "DeepEP v2 uses NCCL GIN (GPU-initiated networking) by default, even on one node, and "
+        "NCCL found no RDMA NIC for it (NET/IB: no device). Within one node set "
+        "EP_DISABLE_GIN=1 (DeepEP's switch: NVLink only; passes on an H200, "
+        "docs/probe-results.md); across nodes run on InfiniBand/RoCE NICs with GPUDirect RDMA "
+        "(probes/check_fabric.py tells what is missing); or pick a backend that runs over "
+        "NVLink alone: " + ", ".join(s.name for s in registry.SPECS if not s.needs_nccl_gin),
     ),
     (
         "CPU recv timeout",

@@ -182,6 +182,13 @@ def _import_detail(sel: Selection, data: dict[str, Any]) -> str:
     if data.get("build_info"):
         parts.append("build " + ", ".join(f"{k}={v}" for k, v in data["build_info"].items()))
     parts.append(f"CUDA {data.get('torch_cuda')}")
+    if "jit_cache_dir" in data:
+        files = data["jit_cache_files_before"]
+        parts.append(
+            f"JIT cache {data['jit_cache_dir']} "
+            + (f"({files} files: reused)" if files else "(empty: the first dispatch compiles)")
+        )
+        parts.append(f"NCCL GIN {data['gin']}")
     return "; ".join(parts)
 
 

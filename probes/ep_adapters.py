@@ -31,6 +31,7 @@ import abc
 import dataclasses
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -238,6 +239,31 @@ def _module_facts(deep_ep: Any) -> dict[str, Any]:
     }
 
 
+def jit_cache_facts(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """DeepEP v2's JIT cache before this run: where (EP_JIT_CACHE_DIR, else ~/.deep_ep), how
+    many kernels it holds. An empty one means minutes of compiling at first dispatch; a
+    container that keeps it (a volume, the image's EP_JIT_CACHE_DIR) pays that once."""
+    env = dict(os.environ if env is None else env)
+    home = env.get("HOME") or os.path.expanduser("~")
+    where = env.get("EP_JIT_CACHE_DIR") or os.path.join(home, ".deep_ep")
+    files, size = 0, 0
+    for root, _dirs, names in os.walk(where):
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(root, name)).st_size
+                files += 1
+            except OSError:
+                continue
+    gin_off = env.get("EP_DISABLE_GIN", "0") not in ("", "0")
+    return {
+        "jit_cache_dir": where,
+        "jit_cache_from": "EP_JIT_CACHE_DIR" if env.get("EP_JIT_CACHE_DIR") else "default",
+        "jit_cache_files_before": files,
+        "jit_cache_bytes_before": size,
+        "gin": "disabled (EP_DISABLE_GIN=1: NVLink only, one node)" if gin_off else "enabled",
+    }
+
+
 class DeepEPv1Backend(EPBackend):
     """DeepEP v1 ``deep_ep.Buffer``, normal kernels: intranode (NVLink) on one node, internode
     (NVLink + RDMA through NVSHMEM) when the ranks span nodes.
@@ -364,7 +390,7 @@ class DeepEPv2Backend(EPBackend):
         self.deep_ep = _import_deep_ep()
         self.ElasticBuffer = self.deep_ep.ElasticBuffer
         self.topk_idx_t = getattr(self.deep_ep, "topk_idx_t", torch.int64)
-        return _module_facts(self.deep_ep)
+        return {**_module_facts(self.deep_ep), **jit_cache_facts()}
 
     def create(self, group: dist.ProcessGroup, shape: Shape) -> None:
         self.shape = shape

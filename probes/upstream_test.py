@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "result": verdict,
         "seconds": round(seconds, 1),
         "cases_passed": len(re.findall(r"\bpass(?:ed)?\b", output, re.IGNORECASE)),
+        "cases_completed": cases_completed(output, code == 0),
         "output_tail": output[-4000:],
     }
     if args.json:
@@ -223,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(exit {code}, {seconds:.0f} s)"
     )
     return 0 if code == 0 else 1
+
+
+def cases_completed(output: str, finished: bool) -> int:
+    """Cases that ran through their checks: DeepEP's tests announce each case with
+    "> Testing with ..." and assert on it before the next one starts, so every announced case
+    but a cut-off last one completed (DeepEP v2's test prints no per-case "passed")."""
+    started = len(re.findall(r"^\s*> Testing with", output, re.MULTILINE))
+    return started if finished else max(started - 1, 0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import _ep_detect
@@ -594,3 +595,31 @@ def test_file_contains_finds_needles_across_chunk_borders(tmp_path: Path) -> Non
         assert _facts.file_contains(str(lib), b"libnvshmem_host", chunk=chunk)
     assert not _facts.file_contains(str(lib), b"libnccl", chunk=8)
     assert not _facts.file_contains(str(tmp_path / "absent.so"), b"x")
+
+
+def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None:
+    """DeepEP v2 compiles its kernels at first dispatch into EP_JIT_CACHE_DIR (~/.deep_ep): the
+    report says where, whether it was warm, and whether GIN was turned off (measured on the
+    H200: 36 s cold, 21 s warm, docs/probe-results.md)."""
+    import _ep_steps
+    import ep_adapters
+
+    cache = tmp_path / "jit"
+    (cache / "kernels").mkdir(parents=True)
+    (cache / "kernels" / "a.cubin").write_bytes(b"x" * 10)
+    (cache / "b.so").write_bytes(b"y" * 5)
+    facts = ep_adapters.jit_cache_facts({"EP_JIT_CACHE_DIR": str(cache), "EP_DISABLE_GIN": "1"})
+    assert facts["jit_cache_dir"] == str(cache) and facts["jit_cache_from"] == "EP_JIT_CACHE_DIR"
+    assert (facts["jit_cache_files_before"], facts["jit_cache_bytes_before"]) == (2, 15)
+    assert facts["gin"].startswith("disabled")
+    default = ep_adapters.jit_cache_facts({"HOME": str(tmp_path)})
+    assert default["jit_cache_dir"].endswith("/.deep_ep") and default["gin"] == "enabled"
+    assert default["jit_cache_files_before"] == 0
+
+    sel = types.SimpleNamespace(name="deepep_v2", custom=False)
+    detail = _ep_steps._import_detail(
+        sel, {"distribution": "deep-ep", "version": "2.0.0", **default}
+    )
+    assert "(empty: the first dispatch compiles)" in detail and "NCCL GIN enabled" in detail
+    detail = _ep_steps._import_detail(sel, {"distribution": "deep-ep", "version": "2.0.0", **facts})
+    assert "(2 files: reused)" in detail

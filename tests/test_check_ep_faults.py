@@ -255,3 +255,17 @@ def test_a_cxx_extension_with_its_own_libstdcxx_is_recognised(
     flags = ["-static-libstdc++"] if static else []
     subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
     assert _facts.static_cxx_runtime(str(lib)) is expected
+
+
+def test_upstream_test_counts_cases_that_ran_through_their_checks() -> None:
+    """DeepEP v2's own test prints no per-case "passed"; a case completed when the next one
+    starts (its asserts come first), and a run cut off by its limit does not count the last."""
+    import upstream_test
+
+    log = "Config:\n > Ranks: 1\n" + "".join(
+        f" > Testing with do_handle_copy={i} ...\n   * EP: 0/1 | dispatch: 1 GB/s\n\n"
+        for i in range(3)
+    )
+    assert upstream_test.cases_completed(log, finished=True) == 3
+    assert upstream_test.cases_completed(log, finished=False) == 2
+    assert upstream_test.cases_completed("Config:\n", finished=False) == 0

@@ -513,6 +513,7 @@ print("PROBE " + json.dumps({
     "te_build": json.loads(Path(os.environ["EP_TE_BUILD_INFO"]).read_text()),
     "cudnn_loaded": maps[0] if maps else None,
     "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
+    "jit_cache_dir": os.environ.get("EP_JIT_CACHE_DIR"),
     "torch_inodes": {b: ino(b) for b in image["backends"]},
     "dedup": json.loads((prefix / "dedup.json").read_text()),
 }))
@@ -595,6 +596,8 @@ def test_multi_backend_image(
     assert runtime["ldconfig_order"][1:] == runtime["base_image"]["libs"]
     assert data["cudnn_loaded"].startswith("/opt/venvs/deepep_v2/"), data["cudnn_loaded"]
     assert data["ld_library_path"].split(":")[0] == "/opt/venvs/active-cudnn/lib"
+    # DeepEP v2's JIT cache has one documented place in the image (a volume keeps it).
+    assert data["jit_cache_dir"] == "/var/cache/ep-jit/deep_ep"
     announce(pytestconfig, [
         f"EP={MULTI_EP}: built in {multi_build.seconds:.0f}s, "
         f"image {multi_build.size / 1e9:.2f} GB",
