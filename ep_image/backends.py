@@ -44,6 +44,19 @@ NVSHMEM = "nvshmem"
 
 
 @dataclass(frozen=True)
+class Variant:
+    """Another uv extra that installs the same backend from another source.
+
+    Same module layout, same probes, same venv name (``<prefix>/<backend>``); only where the
+    distribution comes from differs (``make_venv.py --variant EXTRA``).
+    """
+
+    extra: str
+    distribution: str
+    summary: str
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     """What identifies a backend; no pins (those are read from pyproject.toml)."""
 
@@ -77,6 +90,11 @@ class BackendSpec:
     #: there (False: it builds NCCL communicators, which refuse that).
     upstream_test: str = ""
     shares_gpu: bool = True
+    #: pyproject.toml's [tool.uv.extra-build-variables] of its distribution are its switches
+    #: (HybridEP's multi-node build); a variant sharing the distribution ignores them.
+    reads_build_variables: bool = False
+    #: Other extras that install this backend from another source.
+    variants: tuple[Variant, ...] = ()
 
     @property
     def extra(self) -> str:
@@ -108,6 +126,16 @@ SPECS: tuple[BackendSpec, ...] = (
         needs_nccl_gin=True,
         upstream_test="elastic/test_ep.py",
         shares_gpu=False,
+        variants=(
+            Variant(
+                extra="deepep_v2_pinned",
+                distribution="deep-ep",
+                summary=(
+                    "upstream DeepEP at the seed's pinned commit, built from source (nvcc, "
+                    "NCCL >= 2.30 from the lock) instead of SGLang's wheel"
+                ),
+            ),
+        ),
     ),
     BackendSpec(
         name="hybridep",
@@ -120,6 +148,7 @@ SPECS: tuple[BackendSpec, ...] = (
         links_nvshmem=True,
         internode_check="rdma",
         upstream_test="test_hybrid_ep.py",
+        reads_build_variables=True,
         build_hint=(
             "compiled from its pinned git commit, multi-node (HYBRID_EP_MULTINODE=1): needs git "
             "access to the commit and its NVIDIA/nccl submodule (GitHub, or a mirror through "
@@ -134,6 +163,8 @@ SPECS: tuple[BackendSpec, ...] = (
 DEFAULT_BACKEND = "deepep_v2"
 
 BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in SPECS)
+#: Every extra that installs a backend: the backends', then their variants' (uv's conflict set).
+BACKEND_EXTRAS: tuple[str, ...] = BACKEND_NAMES + tuple(v.extra for s in SPECS for v in s.variants)
 _SPECS_BY_NAME: dict[str, BackendSpec] = {spec.name: spec for spec in SPECS}
 
 
@@ -339,23 +370,25 @@ def _requirement_for(extra_reqs: list[str], distribution: str) -> str:
     )
 
 
-def _backend(pyproject: dict, backend_spec: BackendSpec) -> Backend:
+def _backend(pyproject: dict, backend_spec: BackendSpec, variant: Variant | None = None) -> Backend:
+    extra = variant.extra if variant else backend_spec.extra
+    distribution = variant.distribution if variant else backend_spec.distribution
     extras = pyproject.get("project", {}).get("optional-dependencies", {})
-    if backend_spec.extra not in extras:
+    if extra not in extras:
         raise RegistryError(
-            f"pyproject.toml has no extra {backend_spec.extra!r} under "
+            f"pyproject.toml has no extra {extra!r} under "
             f"[project.optional-dependencies]; the registry expects extras {valid_names_text()}"
         )
-    reqs = [str(r) for r in extras[backend_spec.extra]]
-    git, rev = git_source(pyproject, backend_spec.distribution)
+    reqs = [str(r) for r in extras[extra]]
+    git, rev = git_source(pyproject, distribution, extra)
     return Backend(
         name=backend_spec.name,
-        extra=backend_spec.extra,
-        distribution=backend_spec.distribution,
+        extra=extra,
+        distribution=distribution,
         marker_file=backend_spec.marker_file,
         build_needs=backend_spec.build_needs,
         requirements=tuple(reqs),
-        requirement=_requirement_for(reqs, backend_spec.distribution),
+        requirement=_requirement_for(reqs, distribution),
         git=git,
         git_rev=rev,
     )
@@ -367,13 +400,21 @@ def load_registry(project: Path = DEFAULT_PROJECT) -> dict[str, Backend]:
     return {s.name: _backend(pyproject, s) for s in SPECS}
 
 
-def get_backend(name: str, project: Path = DEFAULT_PROJECT) -> Backend:
-    """One backend by name (validated), read from ``project``'s pyproject.toml.
+def get_backend(name: str, project: Path = DEFAULT_PROJECT, variant: str | None = None) -> Backend:
+    """One backend by name (validated), read from ``project``'s pyproject.toml; ``variant``
+    (an extra of its ``variants``) installs it from that source instead.
 
     Only this backend's extra must exist there, so a project that defines one backend (a test
     project, a fork) can build it.
     """
-    return _backend(read_pyproject(project), spec(name))
+    backend_spec = spec(name)
+    if variant is None or variant == backend_spec.extra:
+        return _backend(read_pyproject(project), backend_spec)
+    chosen = next((v for v in backend_spec.variants if v.extra == variant), None)
+    if chosen is None:
+        known = ", ".join(v.extra for v in backend_spec.variants) or "none"
+        raise UnknownBackendError(f"{variant!r} is not a variant of {name} (its variants: {known})")
+    return _backend(read_pyproject(project), backend_spec, chosen)
 
 
 # --- CLI -----------------------------------------------------------------------------------------

@@ -38,14 +38,19 @@ def read_toml(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def git_source(pyproject: dict[str, Any], distribution: str) -> tuple[str | None, str | None]:
-    """The git URL and rev of ``distribution`` in ``[tool.uv.sources]``, if it has one."""
+def git_source(
+    pyproject: dict[str, Any], distribution: str, extra: str | None = None
+) -> tuple[str | None, str | None]:
+    """The git URL and rev of ``distribution`` in ``[tool.uv.sources]``, if it has one; with
+    ``extra``, the entry for that extra (uv's per-extra sources) or one that names none."""
     sources = pyproject.get("tool", {}).get("uv", {}).get("sources", {})
     for key, value in sources.items():
         if normalize(key) != normalize(distribution):
             continue
         entries = value if isinstance(value, list) else [value]
         for entry in entries:
+            if extra is not None and entry.get("extra", extra) != extra:
+                continue
             if "git" in entry:
                 rev = entry.get("rev") or entry.get("tag") or entry.get("branch")
                 return entry["git"], rev

@@ -75,6 +75,7 @@ class Options:
     no_install_packages: list[str] = field(default_factory=list)
     keep_going: bool = False
     compile_bytecode: bool = False
+    variant: str | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -232,7 +233,7 @@ def sync_backend(
         ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
     )
     builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and not skipped
-    if ep_backends.spec(backend.name).builds_from_source and not skipped:
+    if backend.git and not skipped:  # a git source is compiled
         env.update(prepare_source_build(uv, venv, backend, project, env))
     try:
         if not builds_nvshmem:
@@ -268,8 +269,10 @@ def prepare_source_build(
     """Before a backend is compiled: what it will miss (with the fix), the NVML stub its
     multi-node build links, and uv's cache keyed on the build's environment inputs
     (ep_image/source_build.py). Returns the variables to add to the build's environment."""
-    variables = source_build.declared_variables(
-        ep_backends.read_pyproject(project), backend.distribution
+    variables = (
+        source_build.declared_variables(ep_backends.read_pyproject(project), backend.distribution)
+        if ep_backends.spec(backend.name).reads_build_variables
+        else {}
     )
     problems = source_build.preflight(variables, env)
     if problems:
@@ -442,7 +445,7 @@ def move_into_place(temp: Path, final: Path) -> None:
 
 def build_one(uv: str, name: str, opts: Options) -> Path:
     """Build ``<prefix>/<name>``; on any failure nothing is left under the prefix."""
-    backend = ep_backends.get_backend(name, opts.project)
+    backend = ep_backends.get_backend(name, opts.project, opts.variant)
     for stale in stale_temp_dirs(opts.prefix, name):
         print(f"make_venv: removing {stale} left by an interrupted build", flush=True)
         shutil.rmtree(stale)
@@ -579,6 +582,17 @@ def parse_args(argv: list[str] | None) -> Options:
         ),
     )
     parser.add_argument(
+        "--variant",
+        metavar="EXTRA",
+        help=(
+            "install the one --backend from this variant's extra instead (same venv name, same "
+            "probes): "
+            + ", ".join(
+                f"{v.extra} ({s.name}: {v.summary})" for s in ep_backends.SPECS for v in s.variants
+            )
+        ),
+    )
+    parser.add_argument(
         "--keep-going",
         action="store_true",
         help="with several backends, build the others when one fails (exit 1 at the end)",
@@ -588,6 +602,13 @@ def parse_args(argv: list[str] | None) -> Options:
         backends = ep_backends.expand_backends(args.backend)
     except ep_backends.UnknownBackendError as exc:
         parser.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
+    if args.variant is not None:
+        if len(backends) != 1:
+            parser.exit(EXIT_USAGE, "make_venv.py: error: --variant takes exactly one --backend\n")
+        try:
+            ep_backends.get_backend(backends[0], args.project.resolve(), args.variant)
+        except (ep_backends.UnknownBackendError, ep_backends.RegistryError) as exc:
+            parser.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
     te_wheels = [w.resolve() for w in args.te_wheel]
     if args.te_wheel_dir is not None:
         found = sorted(args.te_wheel_dir.resolve().glob("transformer_engine-*.whl"))
@@ -604,6 +625,7 @@ def parse_args(argv: list[str] | None) -> Options:
         no_install_packages=skip,
         keep_going=args.keep_going,
         compile_bytecode=wants_bytecode(args.compile_bytecode),
+        variant=args.variant,
     )
 
 

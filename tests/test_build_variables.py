@@ -72,7 +72,8 @@ def test_declared_variables_select_the_doca_multinode_build(declared: dict[str, 
 
 def test_recorded_list_is_for_the_pinned_commit(pyproject: dict) -> None:
     """A new deep-ep pin must come with a fresh reading of its setup.py."""
-    rev = pyproject["tool"]["uv"]["sources"]["deep-ep"]["rev"]
+    entries = pyproject["tool"]["uv"]["sources"]["deep-ep"]
+    rev = next(e["rev"] for e in entries if e.get("extra") == "hybridep")
     assert rev == SETUP_PY_COMMIT, (
         f"deep-ep is pinned to {rev}; re-read its setup.py (EP_DEEPEP_GIT_DIR=<checkout> pytest "
         f"{Path(__file__).name}) and update SETUP_PY_READS and SETUP_PY_COMMIT"

@@ -62,12 +62,17 @@ def test_lock_is_current() -> None:
 
 def test_conflict_set_is_exactly_the_three_backends(pyproject: dict, lock: dict) -> None:
     declared = pyproject["tool"]["uv"]["conflicts"]
-    assert {item["extra"] for item in declared[0]} == set(BACKENDS)
-    # moe holds deepep_v2, so it must exclude exactly the other two.
+    # The backends and deepep_v2's variant (DeepEP v2 from the seed's commit): all ship deep_ep.
+    assert {item["extra"] for item in declared[0]} == {*BACKENDS, "deepep_v2_pinned"}
+    # moe holds deepep_v2, so it must exclude exactly the others.
     moe_sets = [{i["extra"] for i in s} for s in declared[1:]]
-    assert sorted(map(sorted, moe_sets)) == [["deepep_v1", "moe"], ["hybridep", "moe"]]
+    assert sorted(map(sorted, moe_sets)) == [
+        ["deepep_v1", "moe"],
+        ["deepep_v2_pinned", "moe"],
+        ["hybridep", "moe"],
+    ]
     locked = [{i["extra"] for i in s} for s in lock["conflicts"]]
-    assert locked[0] == {"deepep-v1", "deepep-v2", "hybridep"}
+    assert locked[0] == {"deepep-v1", "deepep-v2", "deepep-v2-pinned", "hybridep"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,3 +159,24 @@ def test_two_backends_fail_with_the_conflict_error(
     for name in named:
         assert f"`{name}`" in result.stderr
     assert not (tmp_path / "venv").exists(), "a conflicting sync must not create anything"
+
+
+def test_each_extra_gets_its_own_commit_of_deep_ep() -> None:
+    """One git package, two commits: uv resolves each extra to its own (real uv, the lock)."""
+
+    def export(*extras: str) -> subprocess.CompletedProcess[str]:
+        args = [a for e in extras for a in ("--extra", e)]
+        return subprocess.run(
+            ["uv", "export", "--frozen", "--no-hashes", "--project", str(ROOT), *args],
+            capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+
+    pinned = export("deepep_v2_pinned")
+    assert pinned.returncode == 0, pinned.stderr
+    assert "DeepEP@af9a0403188392824fc3057452822235873e0612" in pinned.stdout
+    assert "nvidia-nccl-cu13==2.30.7" in pinned.stdout and "sgl-deep-ep" not in pinned.stdout
+    hybrid = export("hybridep")
+    assert "DeepEP@e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8" in hybrid.stdout
+    for pair in (("deepep_v2", "deepep_v2_pinned"), ("moe", "deepep_v2_pinned")):
+        refused = export(*pair)
+        assert refused.returncode != 0 and "incompatible" in refused.stderr, pair

@@ -20,8 +20,9 @@ import ep_backends
 import fake_hybridep
 import pytest
 from _venv_helpers import ROOT, SCRIPTS, build_wheel, site_packages
+from test_source_build import fake_cuda
 
-from ep_image import nvshmem, project, tools
+from ep_image import nvshmem, project, source_build, tools
 
 MAKE_VENV = SCRIPTS / "make_venv.py"
 
@@ -79,11 +80,17 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
     gitconfig.write_text(
         '[url "file:///nonexistent/github-mirror/"]\n\tinsteadOf = https://github.com/\n'
     )
+    if missing_rdma_headers():
+        pytest.skip(
+            "rdma-core headers missing (python3 scripts/bootstrap.py --tests installs them)"
+        )
     env = {
         **os.environ,
         "GIT_CONFIG_GLOBAL": str(gitconfig),
         "GIT_CONFIG_NOSYSTEM": "1",
         "UV_CACHE_DIR": str(tmp_path / "uv-cache"),
+        # A toolkit that passes the build's preflight, so the clone is what fails.
+        "CUDA_HOME": str(fake_cuda(tmp_path / "cuda")),
     }
     # The fetch fails at once, and uv stops the registry downloads it had started with it.
     proc = make_venv("--backend", "hybridep", "--prefix", prefix, env=env)
@@ -95,6 +102,26 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in message
     assert not (prefix / "hybridep").exists()
     assert leftovers(prefix) == [], "no temporary venv left behind"
+
+
+def missing_rdma_headers() -> list[str]:
+    return [h for h in source_build.RDMA_HEADERS if not (Path("/usr/include") / h).is_file()]
+
+
+def test_hybridep_preflight_names_the_missing_toolkit_before_any_download(tmp_path: Path) -> None:
+    """HybridEP's multi-node build needs nvcc, rdma-core's headers and the NVML stub: without a
+    toolkit make_venv stops before uv downloads anything, says what to install, leaves nothing."""
+    prefix = tmp_path / "venvs"
+    env = {**os.environ, "UV_CACHE_DIR": str(tmp_path / "uv-cache"), "CUDA_HOME": str(tmp_path)}
+    proc = make_venv("--backend", "hybridep", "--prefix", prefix, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "hybridep cannot be built here" in proc.stderr
+    assert f"no nvcc at {tmp_path}/bin/nvcc" in proc.stderr and "CUDA_HOME" in proc.stderr
+    assert "libnvidia-ml.so.1" in proc.stderr and "Traceback" not in proc.stderr
+    if missing_rdma_headers():
+        assert "apt-get install libibverbs-dev" in proc.stderr
+    assert not (tmp_path / "uv-cache").exists() or not any((tmp_path / "uv-cache").rglob("*.whl"))
+    assert leftovers(prefix) == [] and not (prefix / "hybridep").exists()
 
 
 @pytest.mark.skipif(

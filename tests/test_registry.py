@@ -26,7 +26,12 @@ def test_registry_matches_pyproject() -> None:
     assert tuple(registry) == backends.BACKEND_NAMES
     pyproject = backends.read_pyproject(ROOT)
     conflicts = pyproject["tool"]["uv"]["conflicts"][0]
-    assert [c["extra"] for c in conflicts] == list(backends.BACKEND_NAMES)
+    assert [c["extra"] for c in conflicts] == list(backends.BACKEND_EXTRAS)
+    # moe holds the default backend: it conflicts with every other extra that ships deep_ep.
+    moe_conflicts = {
+        c[1]["extra"] for c in pyproject["tool"]["uv"]["conflicts"][1:] if c[0]["extra"] == "moe"
+    }
+    assert moe_conflicts == set(backends.BACKEND_EXTRAS) - {backends.DEFAULT_BACKEND}
     for backend in registry.values():
         assert backend.requirement.startswith(backend.distribution)
     moe = pyproject["project"]["optional-dependencies"]["moe"]
@@ -142,3 +147,31 @@ def _is_generated_or_stage_name(text: str) -> bool:
     from ep_image import dockerfile
 
     return text in dockerfile.render().splitlines() or bool(re.match(r"FROM \S+ AS ", text))
+
+
+def test_a_variant_installs_its_backend_from_its_own_source() -> None:
+    """deepep_v2_pinned: DeepEP v2 from the seed's commit, not SGLang's wheel; hybridep keeps
+    its own commit of the same git package (uv's per-extra sources)."""
+    wheel = backends.get_backend("deepep_v2", ROOT)
+    assert (wheel.extra, wheel.distribution, wheel.git) == ("deepep_v2", "sgl-deep-ep", None)
+    pinned = backends.get_backend("deepep_v2", ROOT, "deepep_v2_pinned")
+    assert (pinned.name, pinned.extra, pinned.distribution) == (
+        "deepep_v2",
+        "deepep_v2_pinned",
+        "deep-ep",
+    )
+    assert pinned.git_rev == "af9a0403188392824fc3057452822235873e0612"
+    assert backends.get_backend("hybridep", ROOT).git_rev.startswith("e0a5b1d9")
+    with pytest.raises(backends.UnknownBackendError, match="its variants: none"):
+        backends.get_backend("deepep_v1", ROOT, "deepep_v2_pinned")
+
+
+def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_venv.py"), "--backend", "deepep_v1",
+         "--variant", "deepep_v2_pinned", "--prefix", str(tmp_path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "not a variant of deepep_v1" in proc.stderr
+    assert not any(tmp_path.iterdir())
