@@ -30,9 +30,11 @@ loader uses. Standard library only.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ep_image import elf
+from ep_image.elf import Dynamic
 
 DISTRIBUTION = "nvidia-nvshmem-cu13"
 RUNPATH = "$ORIGIN/nvidia/nvshmem/lib"
@@ -87,56 +89,13 @@ def build_environment(venv: Path, base: dict[str, str] | None = None) -> dict[st
 
 # --- reading the built extension --------------------------------------------------------------
 
-_PT_LOAD, _PT_DYNAMIC = 1, 2
-_DT_NULL, _DT_NEEDED, _DT_STRTAB, _DT_RPATH, _DT_RUNPATH = 0, 1, 5, 15, 29
-
-
-@dataclass(frozen=True)
-class Dynamic:
-    """The parts of an ELF file's dynamic section the loader uses to find libraries."""
-
-    needed: tuple[str, ...]
-    runpath: tuple[str, ...]
-
 
 def read_dynamic(path: Path) -> Dynamic:
-    """DT_NEEDED and DT_RUNPATH (or DT_RPATH) of a 64-bit little-endian ELF shared object."""
-    data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise NvshmemError(f"{path} is not a 64-bit little-endian ELF file")
-    (phoff,) = struct.unpack_from("<Q", data, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
-    loads: list[tuple[int, int, int]] = []
-    dynamic: tuple[int, int] | None = None
-    for i in range(phnum):
-        p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from(
-            "<IIQQQQ", data, phoff + i * phentsize
-        )
-        if p_type == _PT_LOAD:
-            loads.append((p_vaddr, p_offset, p_filesz))
-        elif p_type == _PT_DYNAMIC:
-            dynamic = (p_offset, p_filesz)
-    if dynamic is None:
-        raise NvshmemError(f"{path} has no dynamic section (not a shared object)")
-    entries: list[tuple[int, int]] = []
-    for offset in range(dynamic[0], dynamic[0] + dynamic[1], 16):
-        tag, value = struct.unpack_from("<qQ", data, offset)
-        if tag == _DT_NULL:
-            break
-        entries.append((tag, value))
-    strtab_vaddr = next(value for tag, value in entries if tag == _DT_STRTAB)
-    strtab = next(
-        off + strtab_vaddr - va for va, off, size in loads if va <= strtab_vaddr < va + size
-    )
-
-    def string(index: int) -> str:
-        end = data.index(b"\0", strtab + index)
-        return data[strtab + index : end].decode()
-
-    needed = tuple(string(v) for t, v in entries if t == _DT_NEEDED)
-    runpath = [string(v) for t, v in entries if t == _DT_RUNPATH]
-    runpath = runpath or [string(v) for t, v in entries if t == _DT_RPATH]
-    return Dynamic(needed, tuple(part for item in runpath for part in item.split(":") if part))
+    """The extension's dynamic section (ep_image/elf.py), errors as NvshmemError."""
+    try:
+        return elf.read_dynamic(path)
+    except (OSError, elf.ElfError) as exc:
+        raise NvshmemError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,13 @@ about the build, not about this machine's hardware.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
-import _ep_detect
+import _ep_detect  # also puts the registry's package (ep_image) on sys.path
 import _facts
+
+from ep_image import elf
 
 #: NCCL that has the GIN device API DeepEP v2 uses across nodes (DeepEP's README).
 V2_MIN_NCCL = (2, 30, 4)
@@ -38,56 +39,14 @@ REBUILD_V1 = (
 )
 UPGRADE_NCCL = "install nvidia-nccl-cu13>=2.30.4 (the lock pins 2.30.7: uv sync --extra deepep_v2)"
 
-_PT_LOAD, _PT_DYNAMIC = 1, 2
-_DT_NULL, _DT_NEEDED, _DT_STRTAB = 0, 1, 5
-
 
 def elf_needed(path: str | Path) -> list[str] | None:
-    """The DT_NEEDED sonames of a 64-bit little-endian ELF file (what ``ldd`` starts from).
-
-    Read from the dynamic segment, with the string table located through the PT_LOAD
-    segments that map it; None when the file is not such an ELF or cannot be read.
-    """
+    """The DT_NEEDED sonames of a 64-bit little-endian ELF file (what ``ldd`` starts from);
+    None when the file is not such an ELF or cannot be read."""
     try:
-        data = Path(path).read_bytes()
-    except OSError:
+        return list(elf.read_dynamic(path).needed)
+    except (OSError, elf.ElfError):
         return None
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return None
-    phoff, phentsize, phnum = (
-        struct.unpack_from("<Q", data, 0x20)[0],
-        *struct.unpack_from("<HH", data, 0x36),
-    )
-    loads, dynamic = [], None
-    for i in range(phnum):
-        p_type, _, p_offset, p_vaddr, _, p_filesz, _, _ = struct.unpack_from(
-            "<IIQQQQQQ", data, phoff + i * phentsize
-        )
-        if p_type == _PT_LOAD:
-            loads.append((p_vaddr, p_offset, p_filesz))
-        elif p_type == _PT_DYNAMIC:
-            dynamic = (p_offset, p_filesz)
-    if dynamic is None:
-        return []
-    needed, strtab = [], None
-    for off in range(dynamic[0], dynamic[0] + dynamic[1], 16):
-        tag, value = struct.unpack_from("<qQ", data, off)
-        if tag == _DT_NULL:
-            break
-        if tag == _DT_NEEDED:
-            needed.append(value)
-        elif tag == _DT_STRTAB:
-            strtab = value
-    if strtab is None:
-        return None
-    base = next((o + strtab - v for v, o, size in loads if v <= strtab < v + size), None)
-    if base is None:
-        return None
-    names = []
-    for index in needed:
-        end = data.index(b"\0", base + index)
-        names.append(data[base + index : end].decode("utf-8", "replace"))
-    return names
 
 
 def _needs(needed: list[str] | None, prefix: str) -> bool:

@@ -22,11 +22,16 @@ import os
 import platform
 import re
 import shutil
-import struct
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The repository root (or /opt/ep-image in the image), where the ep_image package sits.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ep_image import elf
 
 #: Where glibc's loader lives when `ld.so` is not on PATH (Debian and Ubuntu put it there).
 _RTLDS = {
@@ -121,48 +126,17 @@ def resolve(path: Path, preload: Sequence[str] = ()) -> tuple[dict[str, str | No
 # --------------------------------------------------------------------------- ELF reading
 
 
-@dataclass
-class Dynamic:
-    """The entries of an ELF file's dynamic section that this module reads."""
-
-    needed: list[str] = field(default_factory=list)  # DT_NEEDED, in order
-    soname: str | None = None  # DT_SONAME
-
-
-def elf_dynamic(path: Path) -> Dynamic:
-    """DT_NEEDED and DT_SONAME of a 64-bit little-endian ELF file (what the loader matches)."""
-    data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise LoaderError(f"{path} is not a 64-bit little-endian ELF file")
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [
-        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
-    ]
-    dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
-    result = Dynamic()
-    if dynamic is None:
-        return result
-    strtab = sections[dynamic[6]]  # sh_link of .dynamic is its string table
-
-    def string(offset: int) -> str:
-        start = strtab[4] + offset
-        return data[start : data.index(b"\0", start)].decode()
-
-    for offset in range(dynamic[4], dynamic[4] + dynamic[5], 16):
-        tag, value = struct.unpack_from("<qQ", data, offset)
-        if tag == 0:  # DT_NULL
-            break
-        if tag == 1:  # DT_NEEDED
-            result.needed.append(string(value))
-        elif tag == 14:  # DT_SONAME
-            result.soname = string(value)
-    return result
+def elf_dynamic(path: Path) -> elf.Dynamic:
+    """DT_NEEDED and DT_SONAME (ep_image/elf.py), errors as LoaderError."""
+    try:
+        return elf.read_dynamic(path)
+    except elf.ElfError as exc:
+        raise LoaderError(str(exc)) from None
 
 
 def elf_soname(path: Path) -> str | None:
     """DT_SONAME, or None for a file that is not a readable 64-bit ELF object."""
     try:
         return elf_dynamic(path).soname
-    except (OSError, LoaderError, struct.error, ValueError):
+    except (OSError, LoaderError, ValueError):
         return None

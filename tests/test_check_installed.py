@@ -140,6 +140,6 @@ def test_the_loader_is_asked_not_guessed(site: Path) -> None:
     if shutil.which("readelf"):
         out = subprocess.run(["readelf", "-d", str(ext)], capture_output=True, text=True).stdout
         listed = [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
-        assert listed == dynamic.needed
+        assert listed == list(dynamic.needed)
     direct, deeper = ld_trace.resolve(ext)
     assert direct["libdep.so.3"] == str(dep) and deeper == []
