@@ -488,6 +488,9 @@ def announce(pytestconfig: pytest.Config, lines: list[str]) -> None:
 
 
 PROBE = r"""
+import ctypes, json, os, sys
+from importlib import metadata
+from pathlib import Path
 prefix = Path(os.environ["EP_PREFIX"])
 image = json.loads((prefix / "image.json").read_text())
 active = os.readlink(prefix / "active")
