@@ -61,8 +61,15 @@ def declared(pyproject: dict) -> dict[str, str]:
     return pyproject["tool"]["uv"]["extra-build-variables"]["deep-ep"]
 
 
+#: Declared for the compiler rather than setup.py: torch 2.14.1's headers need C++20, the
+#: pinned commit passes -std=c++17 to nvcc, and nvcc takes the last -std it is given.
+COMPILER_READS = {"NVCC_APPEND_FLAGS": "-std=c++20"}
+
+
 def test_declared_variables_select_the_doca_multinode_build(declared: dict[str, str]) -> None:
-    unknown = set(declared) - SETUP_PY_READS
+    for name, value in COMPILER_READS.items():
+        assert declared.get(name) == value, name
+    unknown = set(declared) - SETUP_PY_READS - set(COMPILER_READS)
     assert not unknown, f"setup.py does not read {unknown}: a typo builds intranode-only"
     assert declared["HYBRID_EP_MULTINODE"].strip().lower() in SETUP_PY_TRUE
     assert declared["USE_NIXL"].strip().lower() not in SETUP_PY_TRUE  # DOCA/RDMA path
@@ -182,7 +189,13 @@ class Consumer:
             UV_PYTHON_DOWNLOADS="never",
             GIT_CONFIG_GLOBAL=os.devnull,
         )
-        for name in ("TORCH_CUDA_ARCH_LIST", "UNDECLARED", "HYBRID_EP_MULTINODE", "USE_NIXL"):
+        for name in (
+            "TORCH_CUDA_ARCH_LIST",
+            "UNDECLARED",
+            "HYBRID_EP_MULTINODE",
+            "USE_NIXL",
+            "NVCC_APPEND_FLAGS",
+        ):
             base.pop(name, None)
         base.update(env)
         proc = subprocess.run(
