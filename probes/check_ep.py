@@ -87,7 +87,7 @@ how to run:
   python probes/check_ep.py                                 one rank (DeepEP v1 needs 2+)
   torchrun --nproc-per-node 8 probes/check_ep.py --json out.json
   python probes/check_ep.py --nproc-per-node 4 --backend torch   starts 4 local ranks itself
-  python probes/check_ep.py --nproc-per-node 2 --ranks-per-gpu 2 --backend deepep_v1
+  python probes/check_ep.py --nproc-per-node 2 --ranks-per-gpu 2
                                                             2 ranks sharing 1 GPU (functional)
 
 exit codes (all ranks agree):
@@ -103,8 +103,8 @@ the table's last line and in the JSON report's exit_code.
         "--backend",
         default="auto",
         metavar="NAME",
-        help="backend to check: auto, deepep_v1, deepep_v2, hybridep or torch (the built-in "
-        "all_gather reference). auto picks the one installed here, torch if none "
+        help=f"backend to check: auto, {', '.join(_ep_detect.BACKEND_NAMES)} or torch (the "
+        "built-in all_gather reference). auto picks the one installed here, torch if none "
         "(default: auto)",
     )
     parser.add_argument(
@@ -180,8 +180,8 @@ the table's last line and in the JSON report's exit_code.
         default=1,
         metavar="K",
         help="let up to K local ranks share one GPU (round-robin) for a functional check on "
-        "fewer GPUs: the group is gloo (NCCL refuses two ranks on one GPU, so NCCL-based "
-        "backends such as deepep_v2 are refused), and bandwidth is labelled 'shared GPU: not "
+        "fewer GPUs: the group is gloo (NCCL refuses two ranks on one GPU, so backends that "
+        "build NCCL communicators are refused), and bandwidth is labelled 'shared GPU: not "
         "a link figure' and never gated by --min-gbs (default: 1)",
     )
     return parser.parse_args(argv)
@@ -272,7 +272,8 @@ def select_backend(args: argparse.Namespace) -> Selection:
                 "import",
                 Status.ERROR,
                 detail=f"auto: {installed.reason}",
-                hint="install one of deepep_v1, deepep_v2, hybridep, or pass --backend torch",
+                hint=f"install one of {', '.join(_ep_detect.BACKEND_NAMES)}, or pass "
+                "--backend torch",
             )
             return Selection("unknown", "auto", installed, step)
         return Selection(installed.backend, f"auto: {installed.reason}", installed)

@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from _ep_detect import registry
 from _report import UsageError
 
 
@@ -224,7 +225,7 @@ class TorchBackend(EPBackend):
 # DeepEP adapters. Written against DeepEP's public Python APIs:
 #   v1: deep_ep/buffer.py at 567632dd (tokenspeed-deepep 1.2.1 ships the same file)
 #   v2: deep_ep/buffers/elastic.py at af9a0403 and sgl-deep-ep 0.1.2.post1
-#   hybridep: deep_ep/hybrid_ep_buffer.py at e0a5b1d9 (hybrid-ep branch)
+#   HybridEP: deep_ep/hybrid_ep_buffer.py at e0a5b1d9 (hybrid-ep branch)
 # --------------------------------------------------------------------------------------
 
 
@@ -273,7 +274,7 @@ class DeepEPv1Backend(EPBackend):
     uses on its own (``get_num_rdma_ranks() > 1``).
     """
 
-    name = "deepep_v1"
+    name = ""  # the registry's name, set below (ADAPTER_OF)
     world_sizes = (2, 4, 8)
     world_size_note = (
         "DeepEP v1 intranode kernels support only 2, 4 or 8 ranks on one NVLink node; "
@@ -381,7 +382,7 @@ class DeepEPv2Backend(EPBackend):
     requires NCCL >= 2.30 (``ncclCommQueryProperties``).
     """
 
-    name = "deepep_v2"
+    name = ""  # the registry's name, set below (ADAPTER_OF)
     jit_compiles = True
     min_nccl = (2, 30)
     needs_nccl_group = True
@@ -451,7 +452,7 @@ class HybridEPBackend(EPBackend):
     its kernels (CUDA home with nvcc needed).
     """
 
-    name = "hybridep"
+    name = ""  # the registry's name, set below (ADAPTER_OF)
     jit_compiles = True
 
     def load(self) -> dict[str, Any]:
@@ -528,12 +529,18 @@ def _routing_map_to_topk(
     return idx, weights
 
 
-BUILTIN: dict[str, type[EPBackend]] = {
-    "deepep_v1": DeepEPv1Backend,
-    "deepep_v2": DeepEPv2Backend,
-    "hybridep": HybridEPBackend,
-    "torch": TorchBackend,
+#: Each registry backend's adapter, by the API its layout ships (ep_image/backends.py
+#: ``layout_marker``): the adapters know APIs, the registry knows which backend has which.
+ADAPTER_OF: dict[str, type[EPBackend]] = {
+    "buffer.py": DeepEPv1Backend,
+    "buffers/elastic.py": DeepEPv2Backend,
+    "hybrid_ep_buffer.py": HybridEPBackend,
 }
+BUILTIN: dict[str, type[EPBackend]] = {}
+for _name, _marker in registry.layout_markers():
+    BUILTIN[_name] = ADAPTER_OF[_marker]
+    BUILTIN[_name].name = _name
+BUILTIN["torch"] = TorchBackend
 
 
 def load_backend_class(spec: str) -> type[EPBackend]:

@@ -467,8 +467,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             "Exit codes: 0 done; 1 some files could not be linked or hardlink stopped early "
             "(listed; run again to finish); 2 refused before changing anything (bad ROOT, "
             "ROOTs on different filesystems, no util-linux hardlink >= 2.38). "
-            "Example: python scripts/dedup.py --json /tmp/dedup.json /opt/venvs/deepep_v1 "
-            "/opt/venvs/deepep_v2"
+            "Example: python scripts/dedup.py --json /tmp/dedup.json /opt/venvs/one "
+            "/opt/venvs/two"
         ),
     )
     parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to deduplicate")

@@ -107,13 +107,6 @@ def test_the_shared_gpu_job_runs_the_backends_that_can_share_a_gpu() -> None:
     assert matrix == [s.name for s in backends.SPECS if s.shares_gpu]
 
 
-# Files that still spell a backend name although they should take it from the registry. Each is
-# owned by another change; remove it from this list once it imports ep_image.backends.
-NOT_YET_ON_THE_REGISTRY = {
-    "probes/check_ep.py",
-    "probes/ep_adapters.py",
-    "scripts/dedup.py",
-}
 # Where a backend name may appear: the registry itself, its tests, docs, the pins, the
 # Dockerfile's generated stages (checked against the registry) and the workflows' EP lists
 # (checked above).
@@ -133,7 +126,7 @@ def test_backend_names_are_spelled_only_where_the_registry_reaches() -> None:
     offenders = []
     for line in found:
         path, _, text = line.split(":", 2)
-        if path.startswith(ALLOWED) or path in NOT_YET_ON_THE_REGISTRY:
+        if path.startswith(ALLOWED):
             continue
         if path == "docker/Dockerfile" and _is_generated_or_stage_name(text):
             continue
@@ -175,3 +168,14 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "not a variant of deepep_v1" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_each_backend_has_the_adapter_of_its_layout() -> None:
+    """check_ep's adapters are keyed by the API a layout ships; the registry says which backend
+    ships which, so a backend's name is written in one place only."""
+    import ep_adapters
+
+    for name, marker in backends.layout_markers():
+        adapter = ep_adapters.BUILTIN[name]
+        assert adapter is ep_adapters.ADAPTER_OF[marker] and adapter.name == name
+    assert set(ep_adapters.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
