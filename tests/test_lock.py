@@ -62,17 +62,19 @@ def test_lock_is_current() -> None:
 
 def test_conflict_set_is_exactly_the_three_backends(pyproject: dict, lock: dict) -> None:
     declared = pyproject["tool"]["uv"]["conflicts"]
-    # The backends and deepep_v2's variant (DeepEP v2 from the seed's commit): all ship deep_ep.
-    assert {item["extra"] for item in declared[0]} == {*BACKENDS, "deepep_v2_pinned"}
+    assert {item["extra"] for item in declared[0]} == set(BACKENDS)
+    # deepep_v2's variant (DeepEP v2 from the seed's commit) ships deep_ep too: it excludes all.
+    assert {item["extra"] for item in declared[1]} == {*BACKENDS, "deepep_v2_pinned"}
     # moe holds deepep_v2, so it must exclude exactly the others.
-    moe_sets = [{i["extra"] for i in s} for s in declared[1:]]
+    moe_sets = [{i["extra"] for i in s} for s in declared[2:]]
     assert sorted(map(sorted, moe_sets)) == [
         ["deepep_v1", "moe"],
         ["deepep_v2_pinned", "moe"],
         ["hybridep", "moe"],
     ]
     locked = [{i["extra"] for i in s} for s in lock["conflicts"]]
-    assert locked[0] == {"deepep-v1", "deepep-v2", "deepep-v2-pinned", "hybridep"}
+    assert locked[0] == {"deepep-v1", "deepep-v2", "hybridep"}
+    assert locked[1] == {"deepep-v1", "deepep-v2", "deepep-v2-pinned", "hybridep"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

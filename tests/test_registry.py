@@ -25,12 +25,14 @@ def test_registry_matches_pyproject() -> None:
     registry = backends.load_registry(ROOT)
     assert tuple(registry) == backends.BACKEND_NAMES
     pyproject = backends.read_pyproject(ROOT)
-    conflicts = pyproject["tool"]["uv"]["conflicts"][0]
-    assert [c["extra"] for c in conflicts] == list(backends.BACKEND_EXTRAS)
+    sets = pyproject["tool"]["uv"]["conflicts"]
+    # The first set: the backends; then one per variant: it and every backend.
+    assert [c["extra"] for c in sets[0]] == list(backends.BACKEND_NAMES)
+    variants = [v.extra for s in backends.SPECS for v in s.variants]
+    for variant, conflict_set in zip(variants, sets[1:], strict=False):
+        assert [c["extra"] for c in conflict_set] == [variant, *backends.BACKEND_NAMES]
     # moe holds the default backend: it conflicts with every other extra that ships deep_ep.
-    moe_conflicts = {
-        c[1]["extra"] for c in pyproject["tool"]["uv"]["conflicts"][1:] if c[0]["extra"] == "moe"
-    }
+    moe_conflicts = {c[1]["extra"] for c in sets if c[0]["extra"] == "moe"}
     assert moe_conflicts == set(backends.BACKEND_EXTRAS) - {backends.DEFAULT_BACKEND}
     for backend in registry.values():
         assert backend.requirement.startswith(backend.distribution)
