@@ -33,7 +33,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ep_image import elf
+from ep_image import elf, project
 from ep_image.elf import Dynamic
 
 DISTRIBUTION = "nvidia-nvshmem-cu13"
@@ -48,10 +48,10 @@ class NvshmemError(RuntimeError):
 
 def site_packages(venv: Path) -> Path:
     """The venv's one lib/pythonX.Y/site-packages."""
-    found = sorted(venv.glob("lib/python3*/site-packages"))
-    if len(found) != 1:
-        raise NvshmemError(f"{venv}: expected one lib/python3*/site-packages, found {found}")
-    return found[0]
+    try:
+        return project.site_packages(venv)
+    except project.VenvError as exc:
+        raise NvshmemError(str(exc)) from None
 
 
 def nvshmem_dir(venv: Path) -> Path:

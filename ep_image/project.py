@@ -81,17 +81,39 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def write_json(path: Path, data: Any) -> Path:
+def write_json(
+    path: Path, data: Any, *, sort_keys: bool = True, default: Any = None, fsync: bool = False
+) -> Path:
     """Write ``data`` as indented JSON atomically (temporary file in the same directory, then
-    rename), world-readable, so a reader never sees half a record."""
+    rename), world-readable, so a reader never sees half a record. ``fsync``: on disk before the
+    rename (a probe's report must survive the machine going down)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # records are for others to read; mkstemp makes 0600
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o644)
+            fh.write(json.dumps(data, indent=2, sort_keys=sort_keys, default=default) + "\n")
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+class VenvError(RuntimeError):
+    """A directory that is not the venv the caller expected; the message says why."""
+
+
+def site_packages(venv: Path) -> Path:
+    """The venv's one ``lib/python3.X/site-packages``."""
+    found = sorted(Path(venv).glob("lib/python3*/site-packages"))
+    if len(found) != 1:
+        raise VenvError(
+            f"{venv}: expected one lib/python3*/site-packages, found {len(found)}: is it a venv? "
+            "Create it with scripts/make_venv.py or `uv sync --extra <backend>`."
+        )
+    return found[0]

@@ -26,14 +26,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import json
 import os
-import tempfile
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+# The registry's package (ep_image/) sits beside probes/, in the repository and in the image;
+# backend venvs hold only the lock's packages, so it is reached by path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ep_image.project import write_json
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -214,24 +219,10 @@ def exit_code_of(steps: Iterable[Step], require: bool = False) -> int:
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file and ``os.replace``.
-
-    A reader (CI, a dashboard) never sees a half-written report, even if the probe is killed.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.fchmod(fd, 0o644)  # a report is for others to read; mkstemp makes 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``obj`` as JSON to ``path`` atomically, world-readable and on disk
+    (ep_image/project.py): a reader (CI, a dashboard) never sees a half-written report, even if
+    the probe is killed."""
+    write_json(Path(path), obj, sort_keys=False, default=str, fsync=True)
 
 
 def format_seconds(seconds: float) -> str:

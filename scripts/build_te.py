@@ -54,7 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_image import tools
-from ep_image.project import PinError, pinned_git, sha256_file, write_json
+from ep_image.project import PinError, VenvError, pinned_git, sha256_file, write_json
+from ep_image.project import site_packages as site_packages_of
 
 CUDNN_DIST = "nvidia-cudnn-cu13"
 FRONTEND_DIST = "nvidia-cudnn-frontend"
@@ -122,13 +123,12 @@ def site_packages(venv: Path) -> Path:
             f"{venv} is not a virtual environment (no pyvenv.cfg). "
             "Fix: pass --venv the directory `uv sync` created (e.g. .venv)."
         )
-    found = sorted(venv.glob("lib/python3*/site-packages"))
-    if len(found) != 1:
+    try:
+        return site_packages_of(venv)
+    except VenvError as exc:
         raise BuildTeError(
-            f"expected one lib/python3*/site-packages in {venv}, found {len(found)}. "
-            "Fix: recreate the venv with one Python (`uv venv --python 3.12`)."
-        )
-    return found[0]
+            f"{exc} Fix: recreate the venv with one Python (`uv venv --python 3.12`)."
+        ) from None
 
 
 def dist_version(site: Path, dist: str) -> str | None:

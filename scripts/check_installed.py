@@ -14,15 +14,15 @@ driver), so it runs on CPU-only CI and build hosts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ep_backends  # sibling modules: scripts/ is not a package
-import ld_trace
+import ld_trace  # also puts the repository root (ep_image) on sys.path
+
+from ep_image import project
 
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
@@ -48,13 +48,10 @@ class Report:
 
 def find_site_packages(venv: Path) -> Path:
     """The venv's site-packages (lib/pythonX.Y/site-packages)."""
-    candidates = sorted(venv.glob("lib/python3.*/site-packages"))
-    if not candidates:
-        raise FileNotFoundError(
-            f"{venv} has no lib/python3.*/site-packages: is it a venv? "
-            "Create it with scripts/make_venv.py or `uv sync --extra <backend>`."
-        )
-    return candidates[0]
+    try:
+        return project.site_packages(venv)
+    except project.VenvError as exc:
+        raise FileNotFoundError(str(exc)) from None
 
 
 def installed_distributions(site: Path) -> dict[str, str]:
@@ -164,16 +161,6 @@ def check(venv: Path, backend: str) -> Report:
     return report
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON so that readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
-    os.replace(tmp, path)
-
-
 def print_report(report: Report) -> None:
     print(f"{report.backend} in {report.venv}: {report.status}")
     for dist, version in report.distributions.items():
@@ -205,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     print_report(report)
     if args.json:
-        write_json_atomic(args.json, asdict(report))
+        project.write_json(args.json, asdict(report), sort_keys=False)
     return EXIT_PROBLEM if report.problems else EXIT_OK
 
 

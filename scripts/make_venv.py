@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_image import backends as ep_backends
 from ep_image import nvshmem, source_build, tools
-from ep_image.project import sha256_file, write_json
+from ep_image.project import VenvError, sha256_file, write_json
+from ep_image.project import site_packages as site_packages_of
 
 INFO_FILE = "ep-backend.json"
 TE_DISTRIBUTION = "transformer-engine"
@@ -135,10 +136,10 @@ def looks_like_git_failure(uv_error: str) -> bool:
 
 def site_packages(venv: Path) -> Path:
     """The venv's site-packages (lib/pythonX.Y/site-packages)."""
-    found = sorted(venv.glob("lib/python3*/site-packages"))
-    if not found:
-        raise BuildError(f"{venv}: no lib/python3*/site-packages; uv venv did not finish")
-    return found[0]
+    try:
+        return site_packages_of(venv)
+    except VenvError as exc:
+        raise BuildError(f"{exc}; uv venv did not finish") from None
 
 
 def installed_distributions(uv: str, venv: Path) -> list[dict[str, str]]:
