@@ -64,28 +64,32 @@ def cuda_home(env: dict[str, str]) -> Path:
 
 
 def preflight(variables: dict[str, str], env: dict[str, str]) -> list[str]:
-    """What the build will miss, each with its fix; empty when it can start."""
-    problems = []
+    """What HybridEP's multi-node build will miss, each with its fix; empty when it can start
+    (or when the declared variables do not select that build: then torch's own build says what
+    is missing)."""
+    problems: list[str] = []
+    if not multinode_doca(variables):
+        return problems
     nvcc = cuda_home(env) / "bin" / "nvcc"
     if not nvcc.is_file():
         problems.append(
-            f"no nvcc at {nvcc}: the backend compiles CUDA kernels. Fix: set CUDA_HOME to a CUDA "
-            "13 toolkit (a -devel base image has one at /usr/local/cuda)"
+            f"no nvcc at {nvcc}: the backend compiles CUDA kernels (and NCCL's DOCA objects). "
+            "Fix: set CUDA_HOME to a CUDA 13 toolkit (a -devel base image has one at "
+            "/usr/local/cuda)"
         )
-    if multinode_doca(variables):
-        home = Path(variables.get("RDMA_CORE_HOME") or env.get("RDMA_CORE_HOME") or "/usr")
-        missing = [h for h in RDMA_HEADERS if not (home / "include" / h).is_file()]
-        if missing:
-            problems.append(
-                f"HYBRID_EP_MULTINODE=1 builds the RDMA path against {home}/include, which lacks "
-                f"{', '.join(missing)}. Fix: {RDMA_FIX}"
-            )
-        if nvml_on_link_path(env) is None and nvml_stub_source(env) is None:
-            problems.append(
-                f"the multi-node build links {NVML}, found neither on the loader's path (a "
-                f"driver) nor as the CUDA toolkit's stub ({cuda_home(env)}/lib64/stubs/"
-                "libnvidia-ml.so). Fix: use a CUDA -devel toolkit, which ships the stub"
-            )
+    home = Path(variables.get("RDMA_CORE_HOME") or env.get("RDMA_CORE_HOME") or "/usr")
+    missing = [h for h in RDMA_HEADERS if not (home / "include" / h).is_file()]
+    if missing:
+        problems.append(
+            f"HYBRID_EP_MULTINODE=1 builds the RDMA path against {home}/include, which lacks "
+            f"{', '.join(missing)}. Fix: {RDMA_FIX}"
+        )
+    if nvml_on_link_path(env) is None and nvml_stub_source(env) is None:
+        problems.append(
+            f"the multi-node build links {NVML}, found neither on the loader's path (a "
+            f"driver) nor as the CUDA toolkit's stub ({cuda_home(env)}/lib64/stubs/"
+            "libnvidia-ml.so). Fix: use a CUDA -devel toolkit, which ships the stub"
+        )
     return problems
 
 

@@ -260,3 +260,12 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     pyc_a, pyc_b = (site_packages(prefix / n) / pyc for n in ("deepep_v1", "deepep_v2"))
     assert int.from_bytes(pyc_a.read_bytes()[4:8], "little") == 3, "checked-hash .pyc"
     assert pyc_a.stat().st_ino == pyc_b.stat().st_ino
+    # Not one timestamp-validated .pyc (flags 0) is left, so dedup links every .py regardless
+    # of mtime (its bytecode rule stays off).
+    for venv in ("deepep_v1", "deepep_v2"):
+        stamped = [
+            p for p in site_packages(prefix / venv).rglob("*.pyc")
+            if int.from_bytes(p.read_bytes()[4:8], "little") == 0
+        ]  # fmt: skip
+        assert stamped == [], stamped[:5]
+    assert report["timestamp_pyc"] is None

@@ -78,8 +78,8 @@ def test_preflight_names_missing_rdma_headers_and_nvcc(tmp_path: Path) -> None:
     problems = source_build.preflight(variables, {"CUDA_HOME": str(tmp_path / "none")})
     assert any("no nvcc" in p and "CUDA_HOME" in p for p in problems), problems
     assert any("libnvidia-ml.so.1" in p for p in problems), problems
-    # An intranode build has no RDMA or NVML needs to check.
-    assert source_build.preflight({}, {"CUDA_HOME": str(cuda)}) == []
+    # Without the multi-node variables there is nothing of this build's own to check.
+    assert source_build.preflight({}, {"CUDA_HOME": str(tmp_path / "none")}) == []
 
 
 def test_the_nvml_stub_lets_the_linker_resolve_libnvidia_ml_so_1(tmp_path: Path) -> None:
