@@ -387,26 +387,22 @@ def find_libraries(pattern: str) -> list[str]:
     """
     regex = re.compile(pattern)
     seen: dict[str, None] = {}
-    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for directory in dirs:
-        try:
-            names = sorted(os.listdir(directory))
-        except OSError:
-            continue
-        for name in names:
-            if regex.search(name):
-                seen.setdefault(os.path.join(directory, name), None)
+
+    def scan(directories: list[str]) -> None:
+        for directory in directories:
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError:
+                continue
+            for name in names:
+                if regex.search(name):
+                    seen.setdefault(os.path.join(directory, name), None)
+
+    scan([d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d])
     for name, path in sorted(_ldconfig_paths().items()):
         if regex.search(name):
             seen.setdefault(path, None)
-    for directory in _STANDARD_LIB_DIRS:
-        try:
-            names = sorted(os.listdir(directory))
-        except OSError:
-            continue
-        for name in names:
-            if regex.search(name):
-                seen.setdefault(os.path.join(directory, name), None)
+    scan(list(_STANDARD_LIB_DIRS))
     return list(seen)
 
 

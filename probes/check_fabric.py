@@ -189,6 +189,13 @@ def _port_text(dev: str, port: _fabric.Port) -> str:
     return f"{dev}/{port.port} {layer} {port.rate or '?'}"
 
 
+def not_judged(step: Step, detail: str) -> None:
+    """A fact reported, not judged: without an RDMA device internode EP is not possible here
+    at all, so what it would need is information, not a failure."""
+    step.status = Status.INFO
+    step.detail = f"{detail} (not judged: no RDMA device)"
+
+
 def step_rdma_devices(facts: dict[str, Any]) -> Step:
     with timed_step("rdma_devices") as step:
         devices: list[_fabric.RdmaDevice] = facts["devices"]
@@ -246,8 +253,7 @@ def step_verbs(facts: dict[str, Any], judged: bool) -> Step:
             f"libmlx5 {facts['libmlx5'][0] if facts['libmlx5'] else 'absent'}"
         )
         if not judged:
-            step.status = Status.INFO
-            step.detail = f"{found} (not judged: no RDMA device)"
+            not_judged(step, found)
         elif problems:
             raise StepFailed(Status.FAIL, "; ".join(problems), VERBS_HINT)
         else:
@@ -269,7 +275,7 @@ def step_gpudirect(facts: dict[str, Any], judged: bool) -> Step:
         if driver is None:
             detail = "no NVIDIA kernel driver loaded"
             if not judged:
-                step.status, step.detail = Status.INFO, f"{detail} (not judged: no RDMA device)"
+                not_judged(step, detail)
                 return step
             raise StepFailed(Status.SKIP, detail, NO_DRIVER_HINT)
         flavour = "open" if driver["open"] else "proprietary"
@@ -280,8 +286,7 @@ def step_gpudirect(facts: dict[str, Any], judged: bool) -> Step:
             ways.append(f"dma-buf (kernel {facts['kernel']}, open kernel modules)")
         text = f"driver {driver['version']} ({flavour}), kernel {facts['kernel']}: "
         if not judged:
-            step.status = Status.INFO
-            step.detail = text + (", ".join(ways) or "neither") + " (not judged: no RDMA device)"
+            not_judged(step, text + (", ".join(ways) or "neither"))
         elif not ways:
             raise StepFailed(
                 Status.FAIL,
@@ -313,7 +318,7 @@ def step_ibgda(facts: dict[str, Any], judged: bool) -> Step:
         if driver is None:
             detail = f"no NVIDIA kernel driver loaded; {shipped}"
             if not judged:
-                step.status, step.detail = Status.INFO, f"{detail} (not judged: no RDMA device)"
+                not_judged(step, detail)
                 return step
             raise StepFailed(Status.SKIP, detail, NO_DRIVER_HINT)
         driver_on = driver["EnableStreamMemOPs"] == 1 and driver["PeerMappingOverride"]
@@ -334,8 +339,7 @@ def step_ibgda(facts: dict[str, Any], judged: bool) -> Step:
             problems.append(f"this NVSHMEM ships no IBGDA transport ({'/'.join(transports)})")
         text = "; ".join(ways) if ways else "off"
         if not judged:
-            step.status = Status.INFO
-            step.detail = f"{text}; {shipped} (not judged: no RDMA device)"
+            not_judged(step, f"{text}; {shipped}")
         elif problems:
             raise StepFailed(Status.FAIL, "; ".join(problems), IBGDA_HINT)
         else:
@@ -384,8 +388,7 @@ def step_nccl_net(facts: dict[str, Any], judged: bool) -> Step:
         settings = " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "no NCCL_* settings"
         text = f"{transport}; {settings}"
         if not judged:
-            step.status = Status.INFO
-            step.detail = f"{text} (not judged: no RDMA device)"
+            not_judged(step, text)
         elif problems:
             raise StepFailed(Status.FAIL, "; ".join(problems), "; ".join(hints))
         else:
