@@ -269,3 +269,7 @@ def test_upstream_test_counts_cases_that_ran_through_their_checks() -> None:
     assert upstream_test.cases_completed(log, finished=True) == 3
     assert upstream_test.cases_completed(log, finished=False) == 2
     assert upstream_test.cases_completed("Config:\n", finished=False) == 0
+    # Passed: v2's completed cases (it asserts per case); v1's own "passed" lines where printed.
+    assert upstream_test.cases_passed(log, finished=False) == 2
+    v1_log = "".join(f"[testing] Check dispatch ({i}) passed\n" for i in range(5))
+    assert upstream_test.cases_passed(v1_log, finished=True) == 5

@@ -23,9 +23,9 @@ The CI profile, and what it leaves out (printed by the tests as well):
   submodules); te-build.json records the skip.
 - VENV_SKIP_PACKAGES: the largest CUDA libraries (cuBLAS, cuFFT, cuSOLVER, cuSPARSE(Lt),
   cuRAND, NCCL, NVSHMEM, NVRTC, CUPTI, nvJitLink, cuFile) and triton are not installed, so a
-  venv is ~2.2 GB instead of ~5.3 GB; buildah's vfs driver copies every layer. torch and cuDNN
-  stay (the backend's dist depends on torch; the cuDNN ordering is under test). Such an image
-  cannot train.
+  venv is ~2.2 GB instead of ~5.3 GB (buildah's vfs driver, the fallback where the kernel
+  cannot mount overlay, copies every layer). torch and cuDNN stay (the backend's dist depends
+  on torch; the cuDNN ordering is under test). Such an image cannot train.
 - APT_PACKAGES without build-essential: nothing is compiled in the image.
 - The real HybridEP is not built (its git source needs GitHub and an hour of nvcc); the
   stand-in proves the build path around it.
@@ -221,11 +221,44 @@ class Build:
         return "\n".join(self.log)
 
 
-class Buildah:
-    """buildah with its own storage (vfs, chroot isolation): isolated from other users."""
+def storage_driver(parent: Path) -> tuple[str, str]:
+    """The storage driver for this run's buildah, and why.
 
-    def __init__(self, store: Path, config: pytest.Config) -> None:
+    overlay shares each layer with the next (copy on write); vfs copies the whole file system
+    for every instruction, which costs minutes and tens of GB per build here (docs/image.md).
+    overlay when the kernel mounts it on ``parent``'s file system, else vfs, which works
+    everywhere. EP_IMAGE_TEST_STORAGE_DRIVER=vfs|overlay forces one.
+    """
+    forced = os.environ.get("EP_IMAGE_TEST_STORAGE_DRIVER", "")
+    if forced:
+        if forced not in ("vfs", "overlay"):
+            raise ValueError(f"EP_IMAGE_TEST_STORAGE_DRIVER={forced!r}: use vfs or overlay")
+        return forced, "EP_IMAGE_TEST_STORAGE_DRIVER"
+    trial = Path(tempfile.mkdtemp(prefix="overlay-trial-", dir=parent))
+    try:
+        for name in ("lower", "upper", "work", "merged"):
+            (trial / name).mkdir()
+        (trial / "lower" / "file").write_text("lower\n")
+        options = f"lowerdir={trial / 'lower'},upperdir={trial / 'upper'},workdir={trial / 'work'}"
+        mount = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options,
+                                str(trial / "merged")], capture_output=True, text=True)  # fmt: skip
+        if mount.returncode != 0:
+            return "vfs", f"no overlay mount on {parent}: {mount.stderr.strip()}"
+        seen = (trial / "merged" / "file").read_text()
+        subprocess.run(["umount", str(trial / "merged")], check=False)
+        if seen != "lower\n":
+            return "vfs", f"an overlay mount on {parent} did not show its lower layer"
+        return "overlay", f"the kernel mounts overlay on {parent}"
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(trial)], check=False)
+
+
+class Buildah:
+    """buildah with its own storage (chroot isolation): isolated from other users."""
+
+    def __init__(self, store: Path, config: pytest.Config, driver: str = "vfs") -> None:
         self.store = store
+        self.driver = driver
         self.config = config
         self.logs = CACHE / "logs"  # kept after the storage is removed, for a look at a failure
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -237,7 +270,7 @@ class Buildah:
         (self.tmp / "buildah-cache").symlink_to(CACHE / "buildah-cache")
         self.flags = [
             "--root", str(store / "root"), "--runroot", str(store / "runroot"),
-            "--storage-driver", "vfs",
+            "--storage-driver", driver,
         ]  # fmt: skip
         self.env = {**os.environ, "TMPDIR": str(self.tmp), "BUILDAH_ISOLATION": "chroot"}
 
@@ -305,8 +338,9 @@ class Buildah:
         """Bytes of the image's layers (uncompressed, each layer once), from the storage's own
         records: what the image adds up to, not what `du` of one container shows."""
         root = self.store / "root"
-        images = json.loads((root / "vfs-images" / "images.json").read_text())
-        layers = {x["id"]: x for x in json.loads((root / "vfs-layers" / "layers.json").read_text())}
+        images = json.loads((root / f"{self.driver}-images" / "images.json").read_text())
+        records = (root / f"{self.driver}-layers" / "layers.json").read_text()
+        layers = {x["id"]: x for x in json.loads(records)}
         entry = next(i for i in images if any(n.endswith(image) for n in i.get("names") or []))
         total, layer = 0, entry["layer"]
         while layer:
@@ -383,7 +417,9 @@ def buildah(pytestconfig: pytest.Config) -> Iterator[Buildah]:
     CACHE.mkdir(parents=True, exist_ok=True)
     parent = Path(os.environ.get("EP_IMAGE_TEST_STORE_PARENT") or CACHE)
     store = Path(tempfile.mkdtemp(prefix="store-", dir=parent))
-    tool = Buildah(store, pytestconfig)
+    driver, why = storage_driver(parent)
+    announce(pytestconfig, [f"buildah storage driver: {driver} ({why})"])
+    tool = Buildah(store, pytestconfig, driver)
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield tool
@@ -393,7 +429,16 @@ def buildah(pytestconfig: pytest.Config) -> Iterator[Buildah]:
             progress.say(f"removing buildah storage {store} ({du(store) / 2**30:.1f} GiB)")
             tool("rm", "--all", check=False)
             tool("rmi", "--all", "--force", check=False)
+            unmount_under(store)
             subprocess.run(["rm", "-rf", "--one-file-system", str(store)], check=False)
+
+
+def unmount_under(path: Path) -> None:
+    """Unmount what an interrupted overlay build left mounted under ``path``, deepest first,
+    so that ``rm --one-file-system`` removes the whole storage."""
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for point in sorted((m for m in mounts if m.startswith(f"{path}/")), reverse=True):
+        subprocess.run(["umount", "-l", point], check=False)
 
 
 def du(path: Path) -> int:
