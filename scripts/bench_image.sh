@@ -6,15 +6,17 @@
 # rerun them. CI profile (TE_BUILD=skip, the big CUDA libraries left out) plus deep-ep: HybridEP's
 # git source needs GitHub. Uses the image tests' cached base tarball (run the image tests once
 # first) and their uv download cache; removes its storage at the end. Prints BENCH, SIZE and
-# UNIQUE lines.
+# UNIQUE lines. EP_IMAGE_TEST_STORAGE_DRIVER=overlay|vfs (default vfs) picks buildah's storage
+# driver, as for the image tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${EP_IMAGE_TEST_CACHE:-/var/cache/ep-image-test}
 store=$cache/bench
-trap 'buildah --root "$store/root" --runroot "$store/runroot" --storage-driver vfs rmi --all --force >/dev/null 2>&1; rm -rf --one-file-system "$store"' EXIT
+driver=${EP_IMAGE_TEST_STORAGE_DRIVER:-vfs}
+trap 'buildah --root "$store/root" --runroot "$store/runroot" --storage-driver "$driver" rmi --all --force >/dev/null 2>&1; rm -rf --one-file-system "$store"' EXIT
 export TMPDIR=$store/tmp
 mkdir -p "$TMPDIR" && ln -sfn "$cache/buildah-cache" "$TMPDIR/buildah-cache"
-B="buildah --root $store/root --runroot $store/runroot --storage-driver vfs"
+B="buildah --root $store/root --runroot $store/runroot --storage-driver $driver"
 c=$($B from scratch) && $B add "$c" "$cache"/base-*.tar.gz / \
   && $B config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$c" \
   && $B commit -q "$c" localhost/ep-test-base:bench >/dev/null && $B rm "$c" >/dev/null
@@ -43,12 +45,12 @@ bud "switch-$default" --build-arg EP="$default" -t "bench:$default"
 bud "switch-$pair" --build-arg EP="$pair" -t "bench:$pair"
 grep -c "Using cache" "$store"/switch-*.log
 grep -h "STEP 1/.*AS " "$store/switch-$default.log" | sed 's/.* AS /visited: /'
-python3 - "$store" "$default" "$pair" <<'PY'
+python3 - "$store" "$default" "$pair" "$driver" <<'PY'
 import json, sys
 from pathlib import Path
-root = Path(sys.argv[1]) / "root"
-images = json.loads((root / "vfs-images/images.json").read_text())
-layers = {x["id"]: x for x in json.loads((root / "vfs-layers/layers.json").read_text())}
+root, driver = Path(sys.argv[1]) / "root", sys.argv[4]
+images = json.loads((root / f"{driver}-images/images.json").read_text())
+layers = {x["id"]: x for x in json.loads((root / f"{driver}-layers/layers.json").read_text())}
 def size(tag):
     entry = next(i for i in images if any(n.endswith(tag) for n in i.get("names") or []))
     total, layer = 0, entry["layer"]

@@ -186,6 +186,25 @@ def test_input_stages_hold_what_the_scripts_import(tmp_path: Path) -> None:
         assert proc.returncode == 0, f"{stage} lacks a module {script} imports:\n{proc.stderr}"
 
 
+def test_storage_driver_is_overlay_only_where_it_mounts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image tests' driver: a forced value wins, a wrong one is refused, and the automatic
+    choice is overlay exactly when a real overlay mount on that file system shows its lower
+    layer (as root), else vfs with the reason."""
+    monkeypatch.setenv("EP_IMAGE_TEST_STORAGE_DRIVER", "vfs")
+    assert storage_driver(tmp_path)[0] == "vfs"
+    monkeypatch.setenv("EP_IMAGE_TEST_STORAGE_DRIVER", "btrfs")
+    with pytest.raises(ValueError, match="use vfs or overlay"):
+        storage_driver(tmp_path)
+    monkeypatch.delenv("EP_IMAGE_TEST_STORAGE_DRIVER")
+    driver, why = storage_driver(tmp_path)
+    if os.geteuid() != 0:
+        assert driver == "vfs" and "no overlay mount" in why
+    assert driver in ("overlay", "vfs") and str(tmp_path) in why
+    assert list(tmp_path.iterdir()) == [], "the trial mount left files behind"
+
+
 # --- buildah -------------------------------------------------------------------------------------
 
 
