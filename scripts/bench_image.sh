@@ -46,20 +46,13 @@ bud "switch-$pair" --build-arg EP="$pair" -t "bench:$pair"
 grep -c "Using cache" "$store"/switch-*.log
 grep -h "STEP 1/.*AS " "$store/switch-$default.log" | sed 's/.* AS /visited: /'
 python3 - "$store" "$default" "$pair" "$driver" <<'PY'
-import json, sys
+import sys
 from pathlib import Path
+sys.path.insert(0, "tests")
+from _image_storage import image_bytes  # the image tests' reader of the storage's records
 root, driver = Path(sys.argv[1]) / "root", sys.argv[4]
-images = json.loads((root / f"{driver}-images/images.json").read_text())
-layers = {x["id"]: x for x in json.loads((root / f"{driver}-layers/layers.json").read_text())}
-def size(tag):
-    entry = next(i for i in images if any(n.endswith(tag) for n in i.get("names") or []))
-    total, layer = 0, entry["layer"]
-    while layer:
-        total += layers[layer].get("diff-size") or 0
-        layer = layers[layer].get("parent")
-    return total
 default, pair = sys.argv[2:4]
-sizes = {t: size(t) for t in ("bench:all", f"bench:{default}", f"bench:{pair}")}
+sizes = {t: image_bytes(root, driver, t) for t in ("bench:all", f"bench:{default}", f"bench:{pair}")}
 for t, s in sizes.items():
     print(f"SIZE {t} {s} bytes = {s / 1e9:.3f} GB ({s / sizes[f'bench:{default}']:.4f}x {default})")
 PY

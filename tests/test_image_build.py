@@ -59,6 +59,7 @@ from pathlib import Path
 
 import fake_hybridep
 import pytest
+from _image_storage import image_bytes
 from _progress import Progress
 
 from ep_image import backends, dockerfile, nvshmem, project, tools
@@ -254,6 +255,7 @@ def storage_driver(parent: Path) -> tuple[str, str]:
             raise ValueError(f"EP_IMAGE_TEST_STORAGE_DRIVER={forced!r}: use vfs or overlay")
         return forced, "EP_IMAGE_TEST_STORAGE_DRIVER"
     trial = Path(tempfile.mkdtemp(prefix="overlay-trial-", dir=parent))
+    mounted = False
     try:
         for name in ("lower", "upper", "work", "merged"):
             (trial / name).mkdir()
@@ -261,14 +263,15 @@ def storage_driver(parent: Path) -> tuple[str, str]:
         options = f"lowerdir={trial / 'lower'},upperdir={trial / 'upper'},workdir={trial / 'work'}"
         mount = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options,
                                 str(trial / "merged")], capture_output=True, text=True)  # fmt: skip
-        if mount.returncode != 0:
+        mounted = mount.returncode == 0
+        if not mounted:
             return "vfs", f"no overlay mount on {parent}: {mount.stderr.strip()}"
-        seen = (trial / "merged" / "file").read_text()
-        subprocess.run(["umount", str(trial / "merged")], check=False)
-        if seen != "lower\n":
+        if (trial / "merged" / "file").read_text() != "lower\n":
             return "vfs", f"an overlay mount on {parent} did not show its lower layer"
         return "overlay", f"the kernel mounts overlay on {parent}"
     finally:
+        if mounted:
+            subprocess.run(["umount", str(trial / "merged")], check=False)
         subprocess.run(["rm", "-rf", "--one-file-system", str(trial)], check=False)
 
 
@@ -354,18 +357,8 @@ class Buildah:
         return result.stdout
 
     def size(self, image: str) -> int:
-        """Bytes of the image's layers (uncompressed, each layer once), from the storage's own
-        records: what the image adds up to, not what `du` of one container shows."""
-        root = self.store / "root"
-        images = json.loads((root / f"{self.driver}-images" / "images.json").read_text())
-        records = (root / f"{self.driver}-layers" / "layers.json").read_text()
-        layers = {x["id"]: x for x in json.loads(records)}
-        entry = next(i for i in images if any(n.endswith(image) for n in i.get("names") or []))
-        total, layer = 0, entry["layer"]
-        while layer:
-            total += layers[layer].get("diff-size") or 0
-            layer = layers[layer].get("parent")
-        return total
+        """Bytes of the image's layers, from the storage's records (_image_storage)."""
+        return image_bytes(self.store / "root", self.driver, image)
 
 
 def recipe_key() -> str:
