@@ -1,13 +1,14 @@
 """The Dockerfile's per-backend stages, rendered from the backend registry.
 
 Why generated: the image needs one stage per backend (its venv, built independently of EP) and
-one assembling stage per EP value (the venvs that value selects, copied and deduplicated in one
-layer). Builders cannot loop, and buildah 1.28 cannot pick stages by a computed name (no
-``${EP/,/-}``, no ``COPY --from=${ARG}``), so the Dockerfile spells every stage out, and
-``final`` picks one with ``FROM image-${EP}``: a stage that ``final`` does not reach is never
-built, by BuildKit, buildah or podman. Writing those stages by hand would copy the registry;
-instead this module renders them between two marker lines of docker/Dockerfile, and a test fails
-when the file and the registry disagree.
+one assembling stage per EP value: for one backend, its venv's own stage plus the image's
+files (an EP switch reuses the venv's layer as it is); for several, the venvs copied and
+deduplicated in one layer. Builders cannot loop, and buildah 1.28 cannot pick stages by a
+computed name (no ``${EP/,/-}``, no ``COPY --from=${ARG}``), so the Dockerfile spells every
+stage out, and ``final`` picks one with ``FROM image-${EP}``: a stage that ``final`` does not
+reach is never built, by BuildKit, buildah or podman. Writing those stages by hand would copy
+the registry; instead this module renders them between two marker lines of docker/Dockerfile,
+and a test fails when the file and the registry disagree.
 
     python -m ep_image.dockerfile            # print the generated block
     python -m ep_image.dockerfile --write    # rewrite it in docker/Dockerfile
@@ -29,13 +30,18 @@ END = "# ---- END generated ----"
 
 _CACHE = "--mount=type=cache,target=/root/.cache/uv,id=ep-image-uv"
 _SECRETS = "--mount=type=secret,id=ca-bundle --mount=type=secret,id=gitconfig"
+_TE_OUTPUT = "--mount=type=bind,from=te,source=/opt/te,target=/opt/te"
+# files-<EP> is a scratch stage of COPYs: its "/" is exactly the files it gathers, no OS.
+_COPY_FILES_NOTE = "# hadolint ignore=DL3067"
 
 
 def backend_stage(spec: backends.BackendSpec) -> list[str]:
     """``ep-<backend>``: the venv from the lock, by scripts/make_venv.py (as in host mode).
 
-    Its cache key holds only what the venv is made from: the TE output and the venv inputs
-    (one COPY), VENV_SKIP_PACKAGES, and for a source build the arch list and job count. Never EP.
+    Its cache key holds only what the venv is made from: the venv inputs (one COPY, with the
+    TE build's record, which holds the wheel's sha256), VENV_SKIP_PACKAGES, and for a source
+    build the arch list and job count. Never EP. The TE wheel itself comes through a bind mount
+    of the te stage, so it stays out of this layer, which a one-backend image reuses.
     """
     about = f"{spec.title}: {spec.build_hint}."
     args = ["VENV_SKIP_PACKAGES"]
@@ -48,30 +54,46 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
         f"ARG {' '.join(args)}",
         f"RUN {_CACHE} \\",
         f"    {_SECRETS} \\",
+        f"    {_TE_OUTPUT} \\",
         "    /opt/ep-image/docker/with-secrets python3 /opt/ep-image/scripts/make_venv.py \\",
         f"    --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image "
         + '--python "${UV_PYTHON}" \\',
-        '    --te-wheel-dir /opt/ep-image/te --no-install-packages "${VENV_SKIP_PACKAGES}"',
+        "    --te-wheel-dir /opt/te --te-record /opt/ep-image/te/te-build.json \\",
+        '    --no-install-packages "${VENV_SKIP_PACKAGES}"',
     ]
 
 
 def image_stage(value: str, names: list[str]) -> list[str]:
-    """``records-<EP>`` and ``image-<EP>``: the selected venvs copied out of their stages and
-    deduplicated in one layer, then made usable (active backend, cuDNN order, image.json).
+    """``files-<EP>`` and ``image-<EP>``: the selected venvs made usable (active backend, cuDNN
+    order, image.json). One backend: FROM its stage, the venv in place, so changing EP to it
+    costs only small layers. Several: FROM base, the venvs copied out of their stages and
+    deduplicated in one layer (a hardlink cannot reach into a lower layer).
 
-    The records stage gathers each venv's ep-backend.json, and ``image-<EP>`` COPYs it before
-    the RUN: the records change whenever a venv is rebuilt (lock hash, creation time), which
-    keys the RUN in buildah's cache (buildah does not hash bind-mounted content), and a COPY
-    from the stages makes buildah 1.28 mount a stage that came from its layer cache (a bind
-    mount from such a stage is empty there otherwise).
+    ``files-<EP>`` is what the image adds besides the venvs, taken in one COPY: the project's
+    files (assemble-files) and each venv's ep-backend.json. The records change whenever a venv is
+    rebuilt (lock hash, creation time), which keys the RUN in buildah's cache (buildah does not
+    hash bind-mounted content), and a COPY from the stages makes buildah 1.28 mount a stage that
+    came from its layer cache (a bind mount from such a stage is empty there otherwise).
     """
-    lines = [f"FROM scratch AS records-{value}"]
+    lines = [f"FROM assemble-files AS files-{value}"]
     for name in names:
-        lines.append(f"COPY --from=ep-{name} /opt/venvs/{name}/ep-backend.json /stages/{name}.json")
+        record = f"/opt/venvs/{name}/ep-backend.json"
+        lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
+    run = "python3 /opt/ep-image/scripts/image_stage.py assemble"
+    if len(names) == 1:
+        return [
+            *lines,
+            f"FROM ep-{names[0]} AS image-{value}",
+            "ARG EP_ACTIVE",
+            _COPY_FILES_NOTE,
+            f"COPY --from=files-{value} / /",
+            f'RUN {run} --in-place --active "${{EP_ACTIVE}}" {names[0]}',
+        ]
     lines += [
-        f"FROM assemble AS image-{value}",
+        f"FROM base AS image-{value}",
         "ARG EP_ACTIVE",
-        f"COPY --from=records-{value} /stages/ /etc/ep-image/stages/",
+        _COPY_FILES_NOTE,
+        f"COPY --from=files-{value} / /",
     ]
     mounts = [
         f"--mount=type=bind,from=ep-{name},source=/opt/venvs,target=/mnt/ep-{name}"
@@ -79,10 +101,7 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     ]
     lines.append(f"RUN {mounts[0]} \\")
     lines += [f"    {mount} \\" for mount in mounts[1:]]
-    lines.append(
-        '    python3 /opt/ep-image/scripts/image_stage.py assemble --active "${EP_ACTIVE}" '
-        + " ".join(names)
-    )
+    lines.append(f'    {run} --active "${{EP_ACTIVE}}" ' + " ".join(names))
     return lines
 
 
@@ -95,9 +114,10 @@ def render() -> str:
     ]
     for spec in backends.SPECS:
         out += [*backend_stage(spec), ""]
-    out.append(
-        "# ---- image-<EP>: the venvs EP selects, deduplicated in the layer that copies them"
-    )
+    out += [
+        "# ---- image-<EP>: the venvs EP selects. One backend: its venv's stage as it is. Several:",
+        "# copied from their stages and deduplicated in the layer that copies them.",
+    ]
     for value, names in backends.image_ep_values():
         out += [*image_stage(value, names), ""]
     out.append(END)

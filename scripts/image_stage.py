@@ -7,7 +7,9 @@ same way host mode builds them. What is left is specific to the image, and runs 
 ``assemble [--active EP_ACTIVE] BACKEND...`` (stage ``image-<EP>``), in one RUN so that one
 layer holds it all: copy each selected venv out of its stage (bind-mounted at
 ``/mnt/ep-<backend>``) into ``/opt/venvs``; hardlink identical files across them with
-scripts/dedup.py *in the same layer* (a later layer could only add to the image); make one
+scripts/dedup.py *in the same layer* (a later layer could only add to the image). With
+``--in-place`` (one backend, whose stage the image starts from) the venv is already there:
+nothing is copied, so an EP switch to one backend reuses that venv's layer. Then make one
 active (``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the
 registry's rule); put the venv's cuDNN ahead of the base image's (scripts/stage_cudnn.py);
 write ``/opt/venvs/image.json``.
@@ -45,11 +47,25 @@ class StageError(RuntimeError):
     """The stage cannot do its job; the message says why and what fixes it."""
 
 
-def assemble(names: list[str], mounts: Path, prefix: Path) -> list[Path]:
-    """Copy ``<mounts>/ep-<name>/<name>`` to ``<prefix>/<name>`` for each, then deduplicate."""
+def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = False) -> list[Path]:
+    """Copy ``<mounts>/ep-<name>/<name>`` to ``<prefix>/<name>`` for each, then deduplicate;
+    ``in_place``: the one venv is already at ``<prefix>/<name>``."""
     prefix.mkdir(parents=True, exist_ok=True)
     venvs = []
-    for name in backends.expand_backends(names):
+    names = backends.expand_backends(names)
+    if in_place and len(names) != 1:
+        raise StageError(
+            f"--in-place takes one backend (its stage is the image's start), got {names}"
+        )
+    for name in names:
+        if in_place:
+            if not (prefix / name / INFO_FILE).is_file():
+                raise StageError(
+                    f"{prefix / name} holds no venv (no {INFO_FILE}): --in-place needs the stage "
+                    f"to start FROM ep-{name}"
+                )
+            venvs.append(prefix / name)
+            continue
         source = mounts / f"ep-{name}" / name
         if not (source / INFO_FILE).is_file():
             raise StageError(
@@ -140,11 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("backends", nargs="+", metavar="BACKEND")
     one.add_argument("--mounts", type=Path, default=Path("/mnt"))
     one.add_argument("--active", default="auto", help="the EP_ACTIVE build argument")
+    one.add_argument(
+        "--in-place",
+        action="store_true",
+        help="one backend whose venv is already under --prefix (the stage is FROM ep-BACKEND)",
+    )
     sub.add_parser("manifest", help="write env-manifest.json with probes/check_env.py")
     args = parser.parse_args(argv)
     try:
         if args.step == "assemble":
-            assemble(args.backends, args.mounts, args.prefix)
+            assemble(args.backends, args.mounts, args.prefix, args.in_place)
             print("image_stage: " + json.dumps(finish(args.prefix, args.active)))
         else:
             manifest(args.prefix)

@@ -507,6 +507,44 @@ def check_inputs(opts: Options) -> None:
             )
 
 
+def recorded_te_wheels(record_path: Path, wheel_dir: Path) -> list[Path]:
+    """The TE wheel ``record_path`` (a te-build.json) names, found in ``wheel_dir`` with that
+    sha256; none when the record says TE was skipped.
+
+    Why: the image's ep stages take the record by COPY (it keys buildah's cache on the wheel's
+    hash) and the wheel through a bind mount of the te stage (keeping it out of their layers,
+    hence out of a one-backend image). A mount that came up empty or from another TE build must
+    fail the venv, not silently give it no TE or the wrong one.
+    """
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BuildError(f"--te-record {record_path}: {exc}") from None
+    beside = wheel_dir / "te-build.json"
+    try:
+        same = json.loads(beside.read_text()) == record
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise BuildError(
+            f"{wheel_dir} does not hold the TE build that {record_path} records ({beside} is "
+            f"{'different' if beside.is_file() else 'missing'}): the te stage's output is not "
+            "what this step was given. In an image build the builder did not mount the te "
+            "stage; build again, and if it repeats, with --no-cache. On a host: pass the "
+            "directory build_te.py --out wrote, which holds both"
+        )
+    if not record.get("wheel"):
+        return []  # TE_BUILD=skip: the record says so, and why
+    wheel = wheel_dir / str(record["wheel"])
+    if not wheel.is_file() or sha256_file(wheel) != record.get("wheel_sha256"):
+        raise BuildError(
+            f"{wheel} is {'not the wheel' if wheel.is_file() else 'missing, but'} "
+            f"{record_path} records (sha256 {record.get('wheel_sha256')}). Fix: rebuild TE "
+            "with scripts/build_te.py --out DIR and pass that DIR"
+        )
+    return [wheel.resolve()]
+
+
 def parse_args(argv: list[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="make_venv.py",
@@ -558,6 +596,16 @@ def parse_args(argv: list[str] | None) -> Options:
         help=(
             "install every transformer_engine-*.whl in DIR (the image's te stage output); "
             "a DIR without one means no TE, which is said, not an error"
+        ),
+    )
+    parser.add_argument(
+        "--te-record",
+        type=Path,
+        metavar="FILE",
+        help=(
+            "with --te-wheel-dir: install exactly the wheel this te-build.json names (none if "
+            "it says TE was skipped), and fail unless DIR holds the same record and that "
+            "wheel with its sha256 (the image's ep stages, which mount DIR)"
         ),
     )
     parser.add_argument("--python", help="interpreter for the venv (passed to uv venv --python)")
@@ -615,7 +663,16 @@ def parse_args(argv: list[str] | None) -> Options:
         except (ep_backends.UnknownBackendError, ep_backends.RegistryError) as exc:
             parser.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
     te_wheels = [w.resolve() for w in args.te_wheel]
-    if args.te_wheel_dir is not None:
+    if args.te_record is not None:
+        if args.te_wheel_dir is None:
+            parser.exit(EXIT_USAGE, "make_venv.py: error: --te-record needs --te-wheel-dir\n")
+        try:
+            te_wheels += recorded_te_wheels(args.te_record, args.te_wheel_dir.resolve())
+        except BuildError as exc:
+            parser.exit(EXIT_BUILD_FAILED, f"make_venv: error: {exc}\n")
+        if not te_wheels:
+            print(f"make_venv: {args.te_record} records no TE wheel (TE skipped): no TE")
+    elif args.te_wheel_dir is not None:
         found = sorted(args.te_wheel_dir.resolve().glob("transformer_engine-*.whl"))
         if not found:
             print(f"make_venv: no transformer_engine-*.whl in {args.te_wheel_dir}: no TE")

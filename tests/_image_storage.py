@@ -11,15 +11,20 @@ import json
 from pathlib import Path
 
 
-def image_bytes(root: Path, driver: str, tag: str) -> int:
-    """Sum of ``diff-size`` along the layer chain of the image named ``...tag`` (uncompressed,
-    each layer once): what the image adds up to, not what ``du`` of one container shows."""
+def layer_chain(root: Path, driver: str, tag: str) -> list[dict]:
+    """The layer records of the image named ``...tag``, its top layer first."""
     images = json.loads((root / f"{driver}-images" / "images.json").read_text())
     records = json.loads((root / f"{driver}-layers" / "layers.json").read_text())
     layers = {x["id"]: x for x in records}
     entry = next(i for i in images if any(n.endswith(tag) for n in i.get("names") or []))
-    total, layer = 0, entry["layer"]
+    chain, layer = [], entry["layer"]
     while layer:
-        total += layers[layer].get("diff-size") or 0
+        chain.append(layers[layer])
         layer = layers[layer].get("parent")
-    return total
+    return chain
+
+
+def image_bytes(root: Path, driver: str, tag: str) -> int:
+    """Sum of ``diff-size`` along the layer chain of the image named ``...tag`` (uncompressed,
+    each layer once): what the image adds up to, not what ``du`` of one container shows."""
+    return sum(layer.get("diff-size") or 0 for layer in layer_chain(root, driver, tag))

@@ -55,11 +55,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 
 import fake_hybridep
 import pytest
-from _image_storage import image_bytes
+from _image_storage import image_bytes, layer_chain
 from _progress import Progress
 
 from ep_image import backends, dockerfile, nvshmem, project, tools
@@ -359,6 +360,10 @@ class Buildah:
     def size(self, image: str) -> int:
         """Bytes of the image's layers, from the storage's records (_image_storage)."""
         return image_bytes(self.store / "root", self.driver, image)
+
+    def layers(self, image: str) -> list[dict]:
+        """The image's layer records, top first (_image_storage)."""
+        return layer_chain(self.store / "root", self.driver, image)
 
 
 def recipe_key() -> str:
@@ -711,12 +716,22 @@ def test_changing_only_ep_reuses_every_backend_stage(
     assert data["stages"] == ["deepep_v2.json"]
     multi, single = multi_build.size, buildah.size(single_build.image)
     assert multi <= 1.02 * single, f"a second backend costs {multi / single:.3f}x (target 1.02x)"
+    # One backend: the image is its venv's stage plus small layers; the venv is not copied.
+    venv_stage = buildah.layers(f"{multi_build.image}-ep-{SINGLE_EP}")
+    above = list(takewhile(lambda layer: layer["id"] != venv_stage[0]["id"],
+                           buildah.layers(single_build.image)))  # fmt: skip
+    added = sum(layer.get("diff-size") or 0 for layer in above)
+    assert single == buildah.size(f"{multi_build.image}-ep-{SINGLE_EP}") + added, (
+        f"image-{SINGLE_EP} does not start from the ep-{SINGLE_EP} stage's layers"
+    )
+    assert added < 64 * 2**20, f"the one-backend assembly added {added / 2**20:.0f} MiB"
     announce(pytestconfig, [
         f"EP={SINGLE_EP} after EP={MULTI_EP}: {single_build.seconds:.0f}s "
         f"(first build {multi_build.seconds:.0f}s); base, te and ep-deepep_v2 from cache, "
         f"stages visited: {' '.join(visited)}",
         f"image sizes: {MULTI_EP} {multi / 1e9:.2f} GB, {SINGLE_EP} {single / 1e9:.2f} GB "
-        f"({multi / single:.3f}x)",
+        f"({multi / single:.3f}x); {SINGLE_EP} = its venv stage + {added / 2**20:.1f} MiB "
+        f"in {len(above)} layers",
     ])  # fmt: skip
 
 

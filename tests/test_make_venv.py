@@ -61,6 +61,47 @@ def test_help_reads_like_documentation() -> None:
         assert text in proc.stdout
 
 
+def test_te_record_takes_exactly_the_recorded_wheel_or_fails(tmp_path: Path) -> None:
+    """The image's ep stages COPY te-build.json and mount the te stage's output: an empty or
+    different mount must fail the venv, not give it no TE or another TE."""
+    import make_venv as mv
+
+    wheel = build_wheel(
+        tmp_path / "te", "transformer_engine", "2.17.0", {"transformer_engine/__init__.py": ""}
+    )
+    record = {"wheel": wheel.name, "wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest()}
+    (tmp_path / "te" / "te-build.json").write_text(json.dumps(record))
+    copied = tmp_path / "copied-te-build.json"
+    copied.write_text(json.dumps(record))
+    args = ["--backend", "deepep_v2", "--prefix", tmp_path / "venvs"]
+    route = ["--te-wheel-dir", tmp_path / "te", "--te-record", copied]
+    build_wheel(
+        tmp_path / "te", "transformer_engine", "2.16.0", {"transformer_engine/__init__.py": ""}
+    )
+    assert mv.parse_args([*map(str, args), *map(str, route)]).te_wheels == [wheel.resolve()]
+
+    empty = tmp_path / "empty"  # what a bind mount that came up empty shows
+    empty.mkdir()
+    proc = make_venv(*args, "--te-wheel-dir", empty, "--te-record", copied)
+    assert proc.returncode == 1 and "te-build.json is missing" in proc.stderr, proc.stderr
+    assert "--no-cache" in proc.stderr and not (tmp_path / "venvs").exists()
+
+    wheel.write_bytes(wheel.read_bytes() + b"\0")  # same name, other bytes
+    proc = make_venv(*args, *route)
+    assert proc.returncode == 1 and f"{wheel.name} is not the wheel" in proc.stderr, proc.stderr
+
+    skipped = {"skipped": True, "reason": "TE_BUILD=skip"}
+    for path in (tmp_path / "te" / "te-build.json", copied):
+        path.write_text(json.dumps(skipped))
+    assert mv.parse_args([*map(str, args), *map(str, route)]).te_wheels == []
+    (tmp_path / "te" / "te-build.json").write_text(json.dumps({**skipped, "reason": "other"}))
+    proc = make_venv(*args, *route)
+    assert proc.returncode == 1 and "te-build.json is different" in proc.stderr, proc.stderr
+
+    proc = make_venv(*args, "--te-record", copied)
+    assert proc.returncode == 2 and "--te-record needs --te-wheel-dir" in proc.stderr
+
+
 def test_registry_matches_pyproject() -> None:
     registry = ep_backends.load_registry()
     assert list(registry) == list(ep_backends.BACKEND_NAMES)
