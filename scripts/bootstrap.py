@@ -10,9 +10,9 @@ installs exactly that, nothing else, and says what it did:
   ``~/.cache/ep-image/uv-<version>/bin`` (no pip, no venv module needed). scripts/make_venv.py
   and build_te.py look there when uv is not on PATH.
 - with ``--tests``: what the test suite needs from the distribution, so the image tests run
-  instead of skipping: buildah, debootstrap, git, a C compiler (the stand-in HybridEP), and
-  libibverbs-dev (HybridEP's source build), with apt-get, only those missing. Without root it
-  prints the apt-get command and goes on; the tests that need them then skip and say why.
+  instead of skipping: buildah, debootstrap, git, a C compiler (the stand-in HybridEP), GNU
+  make and libibverbs-dev (HybridEP's source build), with apt-get, only those missing. Without
+  root it prints the apt-get command and goes on; the tests that need them then skip and say why.
 
     python3 scripts/bootstrap.py [--tests] [-- COMMAND [ARG...]]
 
@@ -47,6 +47,7 @@ TEST_PACKAGES: tuple[tuple[str, str], ...] = (
     ("debootstrap", "debootstrap"),
     ("git", "git"),
     ("cc", "gcc"),
+    ("make", "make"),
     ("/usr/include/infiniband/verbs.h", "libibverbs-dev"),
 )
 

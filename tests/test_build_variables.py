@@ -61,9 +61,10 @@ def declared(pyproject: dict) -> dict[str, str]:
     return pyproject["tool"]["uv"]["extra-build-variables"]["deep-ep"]
 
 
-#: Declared for the compiler rather than setup.py: torch 2.14.1's headers need C++20, the
-#: pinned commit passes -std=c++17 to nvcc, and nvcc takes the last -std it is given.
-COMPILER_READS = {"NVCC_APPEND_FLAGS": "-std=c++20"}
+#: Declared for the tools rather than setup.py: torch 2.14.1's headers need C++20, the pinned
+#: commit passes -std=c++17 to nvcc, and nvcc takes the last -std it is given; but NCCL's own
+#: make (setup.py's multi-node branch) must not pass C++20 to nvcc, so GNU make empties it.
+COMPILER_READS = {"NVCC_APPEND_FLAGS": "-std=c++20", "MAKEFLAGS": "-- NVCC_APPEND_FLAGS="}
 
 
 def test_declared_variables_select_the_doca_multinode_build(declared: dict[str, str]) -> None:
@@ -123,6 +124,36 @@ def test_backends_doc_lists_every_variable(declared: dict[str, str]) -> None:
         assert f"`{name}`" in doc, f"docs/backends.md does not mention {name}"
     for name, value in declared.items():
         assert f"`{name}={value}`" in doc, f"docs/backends.md does not give {name}={value}"
+
+
+@pytest.mark.skipif(
+    shutil.which("make") is None,
+    reason="GNU make absent here: python3 scripts/bootstrap.py --tests installs it",
+)
+def test_nccl_make_runs_without_the_cxx20_flag_the_extensions_get(
+    declared: dict[str, str], tmp_path: Path
+) -> None:
+    """setup.py runs ``make -j src.build NVCC_GENCODE=...`` in third-party/nccl, which recurses
+    into src/; on the H200, nvcc 13.0 failed NCCL 2.29.2's fp8 code under -std=c++20
+    (docs/multinode.md). Every nvcc under make must see NVCC_APPEND_FLAGS empty, while a
+    compiler setup.py starts itself (torch's extension build, through ninja) keeps the flag."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "Makefile").write_text(
+        'src.build:\n\t@echo "top[$$NVCC_APPEND_FLAGS]"\n\t@$(MAKE) -C src build\n'
+    )
+    (tmp_path / "src" / "Makefile").write_text('build:\n\t@echo "sub[$$NVCC_APPEND_FLAGS]"\n')
+    env = {**os.environ, **declared}
+    gencode = "NVCC_GENCODE=-gencode=arch=compute_90,code=sm_90"
+    make = subprocess.run(
+        ["make", "-j", "src.build", gencode], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert make.returncode == 0, make.stderr
+    assert "top[]" in make.stdout and "sub[]" in make.stdout, make.stdout
+    direct = subprocess.run(
+        ["sh", "-c", 'echo "[$NVCC_APPEND_FLAGS]"'], env=env, capture_output=True, text=True
+    )
+    assert direct.stdout.strip() == f"[{declared['NVCC_APPEND_FLAGS']}]" == "[-std=c++20]"
 
 
 @pytest.mark.skipif(
