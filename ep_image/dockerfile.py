@@ -41,7 +41,8 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
     Its cache key holds only what the venv is made from: the venv inputs (one COPY, with the
     TE build's record, which holds the wheel's sha256), VENV_SKIP_PACKAGES, and for a source
     build the arch list and job count. Never EP. The TE wheel itself comes through a bind mount
-    of the te stage, so it stays out of this layer, which a one-backend image reuses.
+    of the te stage, so it stays out of this layer, which a one-backend image reuses; for the
+    same reason the venv is deduplicated inside this layer (``--dedup``).
     """
     about = f"{spec.title}: {spec.build_hint}."
     args = ["VENV_SKIP_PACKAGES"]
@@ -58,7 +59,7 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
         "    /opt/ep-image/docker/with-secrets python3 /opt/ep-image/scripts/make_venv.py \\",
         f"    --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image "
         + '--python "${UV_PYTHON}" \\',
-        "    --te-wheel-dir /opt/te --te-record /opt/ep-image/te/te-build.json \\",
+        "    --te-wheel-dir /opt/te --te-record /opt/ep-image/te/te-build.json --dedup \\",
         '    --no-install-packages "${VENV_SKIP_PACKAGES}"',
     ]
 

@@ -53,6 +53,7 @@ from ep_image.project import VenvError, sha256_file, write_json
 from ep_image.project import site_packages as site_packages_of
 
 INFO_FILE = "ep-backend.json"
+HERE = Path(__file__).resolve().parent
 TE_DISTRIBUTION = "transformer-engine"
 TE_EXTRA = "te"  # TE's runtime dependencies and cuDNN, from the lock
 EXIT_BUILD_FAILED = 1
@@ -77,6 +78,7 @@ class Options:
     keep_going: bool = False
     compile_bytecode: bool = False
     variant: str | None = None
+    dedup: bool = False
 
 
 # --------------------------------------------------------------------------- helpers
@@ -436,6 +438,20 @@ def build_info(
     }
 
 
+def dedup_venv(venv: Path) -> dict[str, object]:
+    """Hardlink identical files inside the new venv (scripts/dedup.py): the image's ep stages
+    ask for it, because a one-backend image reuses the stage's layer as it is, and linking them
+    in a later layer would copy each kept file up instead of saving anything."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "dedup.json"
+        cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(report), str(venv)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"dedup.py failed on {venv}: {tail(proc.stderr or proc.stdout)}")
+        data = json.loads(report.read_text())
+    return {k: data.get(k) for k in ("du_bytes_before", "du_bytes_after", "saved_bytes")}
+
+
 def move_into_place(temp: Path, final: Path) -> None:
     """Rename the finished venv to its final name, replacing an older one only now."""
     if not final.exists():
@@ -464,10 +480,12 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
         install_te(uv, temp, opts.te_wheels)
         if opts.compile_bytecode:
             compile_bytecode(temp)
+        dedup = dedup_venv(temp) if opts.dedup else None
         installed = installed_distributions(uv, temp)
         present = verify_backend(temp, backend, installed)
         assert_relocated(temp, temp.name)
         info = build_info(uv, temp, backend, opts, installed, present, nvshmem_build)
+        info["dedup"] = dedup
         write_json(temp / INFO_FILE, info)
         final = opts.prefix / name
         move_into_place(temp, final)
@@ -646,6 +664,14 @@ def parse_args(argv: list[str] | None) -> Options:
         ),
     )
     parser.add_argument(
+        "--dedup",
+        action="store_true",
+        help=(
+            "hardlink identical files inside the new venv before it is moved into place "
+            "(scripts/dedup.py; the image's ep stages, whose layer a one-backend image reuses)"
+        ),
+    )
+    parser.add_argument(
         "--keep-going",
         action="store_true",
         help="with several backends, build the others when one fails (exit 1 at the end)",
@@ -688,6 +714,7 @@ def parse_args(argv: list[str] | None) -> Options:
         keep_going=args.keep_going,
         compile_bytecode=wants_bytecode(args.compile_bytecode),
         variant=args.variant,
+        dedup=args.dedup,
     )
 
 

@@ -218,9 +218,17 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
         "2.17.0",
         {"transformer_engine/__init__.py": "__version__ = '2.17.0'  # stand-in for build_te.py\n"},
     )
-    proc = make_venv("--backend", "deepep_v2", "--prefix", prefix, "--te-wheel", te_wheel)
+    proc = make_venv(
+        "--backend", "deepep_v2", "--prefix", prefix, "--te-wheel", te_wheel, "--dedup"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     venv = prefix / "deepep_v2"
+    # --dedup (the image's ep stages): nothing identical is left unlinked inside the venv.
+    dry_run = [sys.executable, str(SCRIPTS / "dedup.py"), "--dry-run", "--json"]
+    again = subprocess.run([*dry_run, str(tmp_path / "d.json"), str(venv)],
+                           capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    left = json.loads((tmp_path / "d.json").read_text())
+    assert left["du_bytes_before"] == left["du_bytes_after"], again.stderr
     assert "sgl-deep-ep 0.1.2.post1" in proc.stdout
 
     info = json.loads((venv / "ep-backend.json").read_text())
@@ -231,6 +239,7 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
     )
     assert info["lock_sha256"] == hashlib.sha256((ROOT / "uv.lock").read_bytes()).hexdigest()
     assert info["backend_installed"] is True
+    assert info["dedup"]["du_bytes_after"] <= info["dedup"]["du_bytes_before"]
     installed = {d["name"]: d["version"] for d in info["installed"]}
     assert installed["sgl-deep-ep"] == "0.1.2.post1"
     assert installed["torch"] == "2.14.1"
