@@ -81,21 +81,15 @@ def image_stage(value: str, names: list[str]) -> list[str]:
         record = f"/opt/venvs/{name}/ep-backend.json"
         lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
     run = "python3 /opt/ep-image/scripts/image_stage.py assemble"
-    if len(names) == 1:
-        return [
-            *lines,
-            f"FROM ep-{names[0]} AS image-{value}",
-            "ARG EP_ACTIVE",
-            _COPY_FILES_NOTE,
-            f"COPY --from=files-{value} / /",
-            f'RUN {run} --in-place --active "${{EP_ACTIVE}}" {names[0]}',
-        ]
+    start = f"ep-{names[0]}" if len(names) == 1 else "base"
     lines += [
-        f"FROM base AS image-{value}",
+        f"FROM {start} AS image-{value}",
         "ARG EP_ACTIVE",
         _COPY_FILES_NOTE,
         f"COPY --from=files-{value} / /",
     ]
+    if len(names) == 1:
+        return [*lines, f'RUN {run} --in-place --active "${{EP_ACTIVE}}" {names[0]}']
     mounts = [
         f"--mount=type=bind,from=ep-{name},source=/opt/venvs,target=/mnt/ep-{name}"
         for name in names

@@ -51,31 +51,29 @@ def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = Fals
     """Copy ``<mounts>/ep-<name>/<name>`` to ``<prefix>/<name>`` for each, then deduplicate;
     ``in_place``: the one venv is already at ``<prefix>/<name>``."""
     prefix.mkdir(parents=True, exist_ok=True)
-    venvs = []
     names = backends.expand_backends(names)
-    if in_place and len(names) != 1:
-        raise StageError(
-            f"--in-place takes one backend (its stage is the image's start), got {names}"
-        )
-    for name in names:
-        if in_place:
-            if not (prefix / name / INFO_FILE).is_file():
-                raise StageError(
-                    f"{prefix / name} holds no venv (no {INFO_FILE}): --in-place needs the stage "
-                    f"to start FROM ep-{name}"
-                )
-            venvs.append(prefix / name)
-            continue
-        source = mounts / f"ep-{name}" / name
-        if not (source / INFO_FILE).is_file():
+    if in_place:
+        if len(names) != 1:
             raise StageError(
-                f"{source} holds no venv (no {INFO_FILE}): stage ep-{name} did not build one, or "
-                "the builder did not mount it"
+                f"--in-place takes one backend (its stage is the image's start), got {names}"
             )
-        started = time.monotonic()
-        subprocess.run(["cp", "-a", str(source), str(prefix / name)], check=True)
-        print(f"image_stage: copied {name} in {time.monotonic() - started:.0f}s", flush=True)
-        venvs.append(prefix / name)
+        if not (prefix / names[0] / INFO_FILE).is_file():
+            raise StageError(
+                f"{prefix / names[0]} holds no venv (no {INFO_FILE}): --in-place needs the "
+                f"stage to start FROM ep-{names[0]}"
+            )
+    else:
+        for name in names:
+            source = mounts / f"ep-{name}" / name
+            if not (source / INFO_FILE).is_file():
+                raise StageError(
+                    f"{source} holds no venv (no {INFO_FILE}): stage ep-{name} did not build "
+                    "one, or the builder did not mount it"
+                )
+            started = time.monotonic()
+            subprocess.run(["cp", "-a", str(source), str(prefix / name)], check=True)
+            print(f"image_stage: copied {name} in {time.monotonic() - started:.0f}s", flush=True)
+    venvs = [prefix / name for name in names]
     cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(prefix / "dedup.json")]
     subprocess.run([*cmd, *map(str, venvs)], check=True)
     te_record = HERE.parent / "te" / "te-build.json"  # the te stage's, via assemble-files
