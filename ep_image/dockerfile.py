@@ -1,14 +1,15 @@
 """The Dockerfile's per-backend stages, rendered from the backend registry.
 
-Why generated: the image needs one stage per backend (its venv, built independently of EP) and
-one assembling stage per EP value: for one backend, its venv's own stage plus the image's
-files (an EP switch reuses the venv's layer as it is); for several, the venvs copied and
-deduplicated in one layer. Builders cannot loop, and buildah 1.28 cannot pick stages by a
-computed name (no ``${EP/,/-}``, no ``COPY --from=${ARG}``), so the Dockerfile spells every
-stage out, and ``final`` picks one with ``FROM image-${EP}``: a stage that ``final`` does not
-reach is never built, by BuildKit, buildah or podman. Writing those stages by hand would copy
-the registry; instead this module renders them between two marker lines of docker/Dockerfile,
-and a test fails when the file and the registry disagree.
+Why generated: the image needs one stage per backend (its venv, completed from the shared
+``venvs-common`` skeletons, independently of EP) and one assembling stage per EP value: for one
+backend, its venv's own stage plus the image's files (an EP switch reuses the venv's layers as
+they are); for several, ``venvs-common`` plus what each backend's stage added. Builders cannot
+loop, and buildah 1.28 cannot pick stages by a computed name (no ``${EP/,/-}``, no
+``COPY --from=${ARG}``), so the Dockerfile spells every stage out, and ``final`` picks one with
+``FROM image-${EP}``: a stage that ``final`` does not reach is never built, by BuildKit, buildah
+or podman. Writing those stages by hand would copy the registry; instead this module renders
+them between two marker lines of docker/Dockerfile, and a test fails when the file and the
+registry disagree.
 
     python -m ep_image.dockerfile            # print the generated block
     python -m ep_image.dockerfile --write    # rewrite it in docker/Dockerfile
@@ -30,19 +31,17 @@ END = "# ---- END generated ----"
 
 _CACHE = "--mount=type=cache,target=/root/.cache/uv,id=ep-image-uv"
 _SECRETS = "--mount=type=secret,id=ca-bundle --mount=type=secret,id=gitconfig"
-_TE_OUTPUT = "--mount=type=bind,from=te,source=/opt/te,target=/opt/te"
 # files-<EP> is a scratch stage of COPYs: its "/" is exactly the files it gathers, no OS.
 _COPY_FILES_NOTE = "# hadolint ignore=DL3067"
 
 
 def backend_stage(spec: backends.BackendSpec) -> list[str]:
-    """``ep-<backend>``: the venv from the lock, by scripts/make_venv.py (as in host mode).
+    """``ep-<backend>``: the backend's venv, completed in place from its skeleton in
+    ``venvs-common`` by scripts/make_venv.py --complete (the same sync host mode runs).
 
-    Its cache key holds only what the venv is made from: the venv inputs (one COPY, with the
-    TE build's record, which holds the wheel's sha256), VENV_SKIP_PACKAGES, and for a source
-    build the arch list and job count. Never EP. The TE wheel itself comes through a bind mount
-    of the te stage, so it stays out of this layer, which a one-backend image reuses; for the
-    same reason the venv is deduplicated inside this layer (``--dedup``).
+    Its cache key holds only what the venv is made from: ``venvs-common`` (the lock, the venv
+    scripts, the TE record, VENV_SKIP_PACKAGES), and for a source build the arch list and job
+    count. Never EP. Its layer holds only the backend's own distribution.
     """
     about = f"{spec.title}: {spec.build_hint}."
     args = ["VENV_SKIP_PACKAGES"]
@@ -50,16 +49,12 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
         args += ["TORCH_CUDA_ARCH_LIST", "MAX_JOBS"]
     return [
         *textwrap.wrap(about, 98, initial_indent="# ", subsequent_indent="# "),
-        f"FROM base AS ep-{spec.name}",
-        "COPY --from=venv-inputs /opt/ep-image/ /opt/ep-image/",
+        f"FROM venvs-common AS ep-{spec.name}",
         f"ARG {' '.join(args)}",
         f"RUN {_CACHE} \\",
         f"    {_SECRETS} \\",
-        f"    {_TE_OUTPUT} \\",
         "    /opt/ep-image/docker/with-secrets python3 /opt/ep-image/scripts/make_venv.py \\",
-        f"    --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image "
-        + '--python "${UV_PYTHON}" \\',
-        "    --te-wheel-dir /opt/te --te-record /opt/ep-image/te/te-build.json --dedup \\",
+        f"    --complete --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image \\",
         '    --no-install-packages "${VENV_SKIP_PACKAGES}"',
     ]
 
@@ -67,8 +62,9 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
 def image_stage(value: str, names: list[str]) -> list[str]:
     """``files-<EP>`` and ``image-<EP>``: the selected venvs made usable (active backend, cuDNN
     order, image.json). One backend: FROM its stage, the venv in place, so changing EP to it
-    costs only small layers. Several: FROM base, the venvs copied out of their stages and
-    deduplicated in one layer (a hardlink cannot reach into a lower layer).
+    costs only small layers. Several: FROM venvs-common, each skeleton made equal to its
+    stage's venv (scripts/tree_sync.py writes only the backend's own files), the unselected
+    skeletons removed: the shared files stay in venvs-common's layer, hardlinked.
 
     ``files-<EP>`` is what the image adds besides the venvs, taken in one COPY: the project's
     files (assemble-files) and each venv's ep-backend.json. The records change whenever a venv is
@@ -81,7 +77,7 @@ def image_stage(value: str, names: list[str]) -> list[str]:
         record = f"/opt/venvs/{name}/ep-backend.json"
         lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
     run = "python3 /opt/ep-image/scripts/image_stage.py assemble"
-    start = f"ep-{names[0]}" if len(names) == 1 else "base"
+    start = f"ep-{names[0]}" if len(names) == 1 else "venvs-common"
     lines += [
         f"FROM {start} AS image-{value}",
         "ARG EP_ACTIVE",
@@ -105,13 +101,14 @@ def render() -> str:
     out = [
         BEGIN,
         "",
-        "# ---- ep-<backend>: one venv per backend, never dependent on EP " + "-" * 26,
+        "# ---- ep-<backend>: each backend's venv completed from its skeleton, never EP "
+        + "-" * 12,
     ]
     for spec in backends.SPECS:
         out += [*backend_stage(spec), ""]
     out += [
         "# ---- image-<EP>: the venvs EP selects. One backend: its venv's stage as it is. Several:",
-        "# copied from their stages and deduplicated in the layer that copies them.",
+        "# venvs-common, plus what each selected backend's stage added to its skeleton.",
     ]
     for value, names in backends.image_ep_values():
         out += [*image_stage(value, names), ""]

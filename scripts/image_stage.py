@@ -5,11 +5,14 @@ Why: the venvs are built by scripts/make_venv.py in stages of their own (``ep-<b
 same way host mode builds them. What is left is specific to the image, and runs here:
 
 ``assemble [--active EP_ACTIVE] BACKEND...`` (stage ``image-<EP>``), in one RUN so that one
-layer holds it all: copy each selected venv out of its stage (bind-mounted at
-``/mnt/ep-<backend>``) into ``/opt/venvs``; hardlink identical files across them with
-scripts/dedup.py *in the same layer* (a later layer could only add to the image). With
-``--in-place`` (one backend, whose stage the image starts from) the venv is already there:
-nothing is copied, so an EP switch to one backend reuses that venv's layer. Then make one
+layer holds it all. Several backends: the stage starts from ``venvs-common``, whose layer holds
+every backend's venv skeleton (all but the backend's own distribution, hardlinked across them);
+each selected venv is made equal to the finished one in its stage (bind-mounted at
+``/mnt/ep-<backend>``) by scripts/tree_sync.py, which writes only what that stage changed (the
+backend's distribution, tens of MB); the skeletons EP does not select are removed. Then
+scripts/dedup.py links what is still identical across them, in this layer. With ``--in-place``
+(one backend, whose stage the image starts from) the venv is already there: only the other
+skeletons go, so an EP switch to one backend reuses that venv's layers. Then make one
 active (``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the
 registry's rule); put the venv's cuDNN ahead of the base image's (scripts/stage_cudnn.py);
 write ``/opt/venvs/image.json``.
@@ -34,13 +37,15 @@ from pathlib import Path
 # The repository root (or /opt/ep-image in the image), where the ep_image package sits.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import stage_cudnn  # sibling module (scripts/ is on sys.path as the script's directory)
+import stage_cudnn  # sibling modules (scripts/ is on sys.path as the script's directory)
+import tree_sync
 
 from ep_image import backends
 from ep_image.project import write_json
 
 HERE = Path(__file__).resolve().parent
 INFO_FILE = "ep-backend.json"
+SKELETON_FILE = "ep-skeleton.json"  # make_venv.py --skeleton's record: not a finished venv
 
 
 class StageError(RuntimeError):
@@ -48,8 +53,8 @@ class StageError(RuntimeError):
 
 
 def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = False) -> list[Path]:
-    """Copy ``<mounts>/ep-<name>/<name>`` to ``<prefix>/<name>`` for each, then deduplicate;
-    ``in_place``: the one venv is already at ``<prefix>/<name>``."""
+    """Make ``<prefix>/<name>`` equal to ``<mounts>/ep-<name>/<name>`` for each, drop the
+    other venvs and skeletons, then deduplicate; ``in_place``: the one venv is already there."""
     prefix.mkdir(parents=True, exist_ok=True)
     names = backends.expand_backends(names)
     if in_place:
@@ -71,8 +76,22 @@ def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = Fals
                     "one, or the builder did not mount it"
                 )
             started = time.monotonic()
-            subprocess.run(["cp", "-a", str(source), str(prefix / name)], check=True)
-            print(f"image_stage: copied {name} in {time.monotonic() - started:.0f}s", flush=True)
+            target = prefix / name
+            held = "its skeleton" if (target / SKELETON_FILE).is_file() else "nothing"
+            try:
+                report = tree_sync.sync_tree(source, target)
+            except (tree_sync.SyncError, OSError) as exc:
+                raise StageError(f"{name}: taking the venv from ep-{name} failed: {exc}") from None
+            print(
+                f"image_stage: {name} from ep-{name} onto {held} in "
+                f"{time.monotonic() - started:.1f}s: {report.summary()}",
+                flush=True,
+            )
+    for other in sorted(prefix.iterdir()):
+        unselected = other.name not in names and other.is_dir() and not other.is_symlink()
+        if unselected and any((other / f).is_file() for f in (INFO_FILE, SKELETON_FILE)):
+            shutil.rmtree(other)
+            print(f"image_stage: removed {other} (EP does not select it)", flush=True)
     venvs = [prefix / name for name in names]
     cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(prefix / "dedup.json")]
     subprocess.run([*cmd, *map(str, venvs)], check=True)

@@ -21,6 +21,14 @@ How:
   themselves and the activate scripts compute the venv's location. Before the rename the
   script checks that no file in ``bin/`` names the temporary directory.
 
+- The image builds each venv in two layers (``--skeleton``, then ``--complete``): one stage
+  makes every backend's venv without the backend's own distribution (``ep-skeleton.json``
+  instead of ``ep-backend.json``) and hardlinks them together; each ``ep-<backend>`` stage
+  then installs that one distribution in place. The shared files then sit once in a layer
+  below every backend, so an image with several backends copies only what differs
+  (scripts/image_stage.py). A venv holding ``ep-skeleton.json`` is not finished: nothing
+  activates or probes it, and a failed ``--complete`` leaves it that way.
+
 - A backend whose build needs NVSHMEM (HybridEP, see ``BackendSpec.build_needs``) is synced in
   two steps: everything but its own distribution, then that distribution built against the
   venv's own nvidia-nvshmem-cu13 with a ``$ORIGIN`` runpath (ep_image/nvshmem.py). The image's
@@ -53,6 +61,8 @@ from ep_image.project import VenvError, sha256_file, write_json
 from ep_image.project import site_packages as site_packages_of
 
 INFO_FILE = "ep-backend.json"
+SKELETON_FILE = "ep-skeleton.json"  # a venv without its backend's distribution (--skeleton)
+SKELETONS_RECORD = "venvs-common.json"  # the --skeleton run: which, from what, deduplicated
 HERE = Path(__file__).resolve().parent
 TE_DISTRIBUTION = "transformer-engine"
 TE_EXTRA = "te"  # TE's runtime dependencies and cuDNN, from the lock
@@ -79,6 +89,7 @@ class Options:
     compile_bytecode: bool = False
     variant: str | None = None
     dedup: bool = False
+    mode: str = "venv"  # "venv", "skeleton" or "complete" (the image's two steps)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -200,10 +211,16 @@ def create_venv(uv: str, venv: Path, python: str | None, project: Path) -> None:
 
 
 def sync_command(
-    uv: str, backend: ep_backends.Backend, project: Path, skip: list[str], te: bool
+    uv: str,
+    backend: ep_backends.Backend,
+    project: Path,
+    skip: list[str],
+    te: bool,
+    inexact: bool = False,
 ) -> list[str]:
     """``uv sync --frozen`` of the backend's extra (plus ``te``: TE's runtime dependencies and
     the cuDNN it was built against come from the lock, only TE itself from the prebuilt wheel).
+    ``inexact``: completing a skeleton, which already holds TE (installed apart from the lock).
     """
     cmd = [
         uv,
@@ -215,6 +232,7 @@ def sync_command(
         "--extra",
         backend.extra,
         *(["--extra", TE_EXTRA] if te else []),
+        *(["--inexact"] if inexact else []),
     ]
     for package in [TE_DISTRIBUTION, *skip]:
         cmd += ["--no-install-package", package]
@@ -222,7 +240,13 @@ def sync_command(
 
 
 def sync_backend(
-    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, skip: list[str], te: bool
+    uv: str,
+    venv: Path,
+    backend: ep_backends.Backend,
+    project: Path,
+    skip: list[str],
+    te: bool,
+    inexact: bool = False,
 ) -> dict[str, object] | None:
     """Sync the backend's extra into ``venv``; returns the NVSHMEM record, if it needed one.
 
@@ -231,7 +255,7 @@ def sync_backend(
     """
     env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
     env.pop("UV_COMPILE_BYTECODE", None)
-    cmd = sync_command(uv, backend, project, skip, te)
+    cmd = sync_command(uv, backend, project, skip, te, inexact)
     skipped = any(
         ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
     )
@@ -313,7 +337,7 @@ def wants_bytecode(flag: bool) -> bool:
     return flag or value not in ("", "0", "false", "no", "off")
 
 
-def compile_bytecode(venv: Path) -> None:
+def compile_bytecode(venv: Path, only: list[Path] | None = None) -> None:
     """Compile site-packages so that identical sources give identical .pyc files in every venv.
 
     uv's own compilation (UV_COMPILE_BYTECODE) writes timestamp-validated .pyc files that embed
@@ -325,9 +349,12 @@ def compile_bytecode(venv: Path) -> None:
     left (e.g. ``_distutils_hack``'s, written when a ``.pth`` imports it at interpreter start)
     would make dedup.py link every ``.py`` only by mtime (measured: 1.05x instead of 1.02x for a
     second backend in the image). Files that do not compile
-    (test data in some wheels) are skipped, as uv skips them.
+    (test data in some wheels) are skipped, as uv skips them. ``only``: just these sources
+    (completing a skeleton: rewriting the skeleton's .pyc files would copy them into the layer).
     """
     sp = site_packages(venv)
+    if only is not None and not only:
+        return
     cmd = [
         str(venv / "bin" / "python"),
         "-m",
@@ -342,10 +369,11 @@ def compile_bytecode(venv: Path) -> None:
         str(sp),
         "-p",
         "",
-        str(sp),
+        *(["-i", "-"] if only is not None else [str(sp)]),
     ]
-    print("+ " + " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    print("+ " + " ".join(cmd) + (f" ({len(only)} new sources)" if only is not None else ""))
+    sources = "".join(f"{path}\n" for path in only or [])
+    proc = subprocess.run(cmd, input=sources, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         failed = sum(1 for line in proc.stdout.splitlines() if line.startswith("***"))
         print(f"make_venv: bytecode: {failed or 'some'} files did not compile (skipped)")
@@ -409,8 +437,9 @@ def build_info(
     installed: list[dict[str, str]],
     backend_installed: bool,
     nvshmem_build: dict[str, object] | None = None,
+    skipped: list[str] | None = None,
 ) -> dict[str, object]:
-    """The content of ep-backend.json."""
+    """The content of ep-backend.json (and of a skeleton's ep-skeleton.json)."""
     return {
         "backend": backend.name,
         "extra": backend.extra,
@@ -424,7 +453,7 @@ def build_info(
         "pyproject_sha256": sha256_file(opts.project / "pyproject.toml"),
         "python": python_version(venv),
         "uv": uv_version(uv),
-        "skipped_packages": [TE_DISTRIBUTION, *opts.no_install_packages],
+        "skipped_packages": skipped or [TE_DISTRIBUTION, *opts.no_install_packages],
         "te_wheels": [{"file": w.name, "sha256": sha256_file(w)} for w in opts.te_wheels],
         "installed": installed,
         "pip_check": pip_check(uv, venv, opts.project),
@@ -464,29 +493,35 @@ def move_into_place(temp: Path, final: Path) -> None:
     shutil.rmtree(old)
 
 
-def build_one(uv: str, name: str, opts: Options) -> Path:
-    """Build ``<prefix>/<name>``; on any failure nothing is left under the prefix."""
+def build_one(uv: str, name: str, opts: Options, skeleton: bool = False) -> Path:
+    """Build ``<prefix>/<name>``; on any failure nothing is left under the prefix.
+
+    ``skeleton``: all but the backend's own distribution, recorded in ep-skeleton.json (the
+    image's shared layer; ``complete_one`` finishes it).
+    """
     backend = ep_backends.get_backend(name, opts.project, opts.variant)
+    skip = [*opts.no_install_packages, *([backend.distribution] if skeleton else [])]
     for stale in stale_temp_dirs(opts.prefix, name):
         print(f"make_venv: removing {stale} left by an interrupted build", flush=True)
         shutil.rmtree(stale)
     temp = new_temp_dir(opts.prefix, name)
     try:
         create_venv(uv, temp, opts.python, opts.project)
-        nvshmem_build = sync_backend(
-            uv, temp, backend, opts.project, opts.no_install_packages, te=bool(opts.te_wheels)
-        )
+        nvshmem_build = sync_backend(uv, temp, backend, opts.project, skip, te=bool(opts.te_wheels))
         shutil.rmtree(temp / source_build.SCRATCH, ignore_errors=True)
         install_te(uv, temp, opts.te_wheels)
         if opts.compile_bytecode:
             compile_bytecode(temp)
-        dedup = dedup_venv(temp) if opts.dedup else None
+        dedup = dedup_venv(temp) if opts.dedup and not skeleton else None
         installed = installed_distributions(uv, temp)
         present = verify_backend(temp, backend, installed)
         assert_relocated(temp, temp.name)
-        info = build_info(uv, temp, backend, opts, installed, present, nvshmem_build)
+        info = build_info(
+            uv, temp, backend, opts, installed, present, nvshmem_build,
+            skipped=[TE_DISTRIBUTION, *skip],
+        )  # fmt: skip
         info["dedup"] = dedup
-        write_json(temp / INFO_FILE, info)
+        write_json(temp / (SKELETON_FILE if skeleton else INFO_FILE), info)
         final = opts.prefix / name
         move_into_place(temp, final)
     except BaseException:
@@ -494,6 +529,101 @@ def build_one(uv: str, name: str, opts: Options) -> Path:
         raise
     print_summary(final, info)
     return final
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int, int, int]]:
+    """relative path -> (inode, size, mtime_ns, mode) of every entry under ``root``."""
+    state = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for entry in [*dirnames, *filenames]:
+            st = os.lstat(os.path.join(dirpath, entry))
+            rel = os.path.relpath(os.path.join(dirpath, entry), root)
+            state[rel] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+    return state
+
+
+def complete_one(uv: str, name: str, opts: Options) -> Path:
+    """Install the backend's own distribution into its skeleton ``<prefix>/<name>``, in place.
+
+    Why in place: the image's ep-<backend> stage sits on the layer holding every skeleton; a
+    temporary copy renamed into place would put the whole venv into this stage's layer again.
+    The stage's RUN is the unit of atomicity there (a failed RUN leaves no layer); elsewhere
+    a failure leaves ep-skeleton.json and no ep-backend.json, so nothing takes it for a venv.
+    """
+    backend = ep_backends.get_backend(name, opts.project, opts.variant)
+    venv = opts.prefix / name
+    try:
+        skeleton = json.loads((venv / SKELETON_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise BuildError(
+            f"{name}: --complete needs the skeleton {venv / SKELETON_FILE} ({exc}); make it "
+            f"with make_venv.py --skeleton (the Dockerfile's venvs-common stage)"
+        ) from None
+    wanted = [TE_DISTRIBUTION, *opts.no_install_packages, backend.distribution]
+    made_from = {"lock_sha256": sha256_file(opts.project / "uv.lock"), "skipped_packages": wanted}
+    differ = [k for k, v in made_from.items() if skeleton.get(k) != v]
+    if differ:
+        raise BuildError(
+            f"{name}: the skeleton at {venv} was made from another {' and '.join(differ)} "
+            f"({', '.join(f'{k}: {skeleton.get(k)} vs {made_from[k]}' for k in differ)}); "
+            "make it again with make_venv.py --skeleton from this lock and skip list"
+        )
+    before = tree_state(venv)
+    nvshmem_build = sync_backend(
+        uv, venv, backend, opts.project, opts.no_install_packages,
+        te=bool(skeleton.get("te_wheels")), inexact=True,
+    )  # fmt: skip
+    shutil.rmtree(venv / source_build.SCRATCH, ignore_errors=True)
+    if opts.compile_bytecode:
+        after = tree_state(venv)
+        new = [r for r, st in after.items() if r.endswith(".py") and before.get(r) != st]
+        compile_bytecode(venv, [venv / r for r in sorted(new)])
+    installed = installed_distributions(uv, venv)
+    present = verify_backend(venv, backend, installed)
+    info = build_info(uv, venv, backend, opts, installed, present, nvshmem_build)
+    info["te_wheels"] = skeleton.get("te_wheels", [])
+    info["dedup"] = None
+    info["completed_from_skeleton"] = skeleton.get("created")
+    write_json(venv / INFO_FILE, info)
+    (venv / SKELETON_FILE).unlink()
+    print_summary(venv, info)
+    return venv
+
+
+def build_skeletons(uv: str, opts: Options) -> list[Path]:
+    """``--skeleton``: every backend the project defines, without its own distribution,
+    hardlinked together (one layer holds their shared files once). The record says which."""
+    built, absent = [], {}
+    for name in opts.backends:
+        try:
+            ep_backends.get_backend(name, opts.project, opts.variant)
+        except ep_backends.RegistryError as exc:
+            absent[name] = str(exc)  # a project defining fewer backends (a fork, a test)
+            print(f"make_venv: {name}: no skeleton, the project lacks it: {exc}", flush=True)
+            continue
+        built.append(build_one(uv, name, opts, skeleton=True))
+    if not built:
+        raise BuildError(f"the project at {opts.project} defines none of {opts.backends}")
+    record = {
+        "skeletons": [venv.name for venv in built],
+        "absent": absent,
+        "lock_sha256": sha256_file(opts.project / "uv.lock"),
+        "skipped_packages": opts.no_install_packages,
+        "dedup": None,
+    }
+    if opts.dedup:
+        with tempfile.TemporaryDirectory() as scratch:
+            report = Path(scratch) / "dedup.json"
+            cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(report), *map(str, built)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"dedup.py failed: {tail(proc.stderr or proc.stdout)}")
+            data = json.loads(report.read_text())
+        keys = ("du_bytes_before", "du_bytes_after", "saved_bytes")
+        record["dedup"] = {k: data.get(k) for k in keys}
+        print(f"make_venv: skeletons deduplicated: {record['dedup']}", flush=True)
+    write_json(opts.prefix / SKELETONS_RECORD, record)
+    return built
 
 
 def print_summary(venv: Path, info: dict) -> None:
@@ -671,6 +801,24 @@ def parse_args(argv: list[str] | None) -> Options:
             "(scripts/dedup.py; the image's ep stages, whose layer a one-backend image reuses)"
         ),
     )
+    steps = parser.add_mutually_exclusive_group()
+    steps.add_argument(
+        "--skeleton",
+        action="store_true",
+        help=(
+            "the image's shared layer: each backend's venv without its own distribution "
+            f"({SKELETON_FILE}), deduplicated across them with --dedup; backends the project "
+            "lacks are skipped, and <prefix>/" + SKELETONS_RECORD + " says which"
+        ),
+    )
+    steps.add_argument(
+        "--complete",
+        action="store_true",
+        help=(
+            "the image's ep-<backend> stage: install the backend's distribution into its "
+            "skeleton in place (same lock and skip list, else exit 1); --te-* are not needed"
+        ),
+    )
     parser.add_argument(
         "--keep-going",
         action="store_true",
@@ -715,6 +863,7 @@ def parse_args(argv: list[str] | None) -> Options:
         compile_bytecode=wants_bytecode(args.compile_bytecode),
         variant=args.variant,
         dedup=args.dedup,
+        mode="skeleton" if args.skeleton else "complete" if args.complete else "venv",
     )
 
 
@@ -725,9 +874,12 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(opts)
         uv = uv_executable()
         opts.prefix.mkdir(parents=True, exist_ok=True)
+        if opts.mode == "skeleton":
+            build_skeletons(uv, opts)
+            return 0
         for name in opts.backends:
             try:
-                build_one(uv, name, opts)
+                (complete_one if opts.mode == "complete" else build_one)(uv, name, opts)
             except BuildError as exc:
                 print(f"make_venv: error: {exc}", file=sys.stderr)
                 failed.append(name)

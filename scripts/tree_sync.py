@@ -1,0 +1,175 @@
+"""Make one directory tree equal to another, writing only the entries that differ.
+
+Why: an image with several backends starts from the layer that holds every backend's venv
+skeleton (scripts/make_venv.py --skeleton) and takes each finished venv from its own stage.
+Copying a whole venv would write its ~2 GB again into the new layer; writing only what the
+backend's stage changed keeps that layer to the backend's own files (tens of MB).
+
+What "equal" means, and what it guarantees (tests/test_tree_sync.py): afterwards ``target`` has
+exactly ``source``'s paths, each of the same type; regular files with the same bytes, mode and
+owner; symlinks with the same target; directories with the same mode. Entries only in
+``target`` are removed. A regular file counts as unchanged when size, mode and owner match and
+either the mtime matches (rsync's quick check: a file both trees got from one lower layer) or
+the bytes do (compared in full; such a file keeps its own mtime, as touching it would copy it
+into the new layer for a timestamp); anything else is rewritten, with the source's mtime,
+through a temporary file and a rename, so no path is ever half-written and a file hardlinked
+elsewhere (another skeleton) keeps its old content there. Files that share an inode in
+``source`` and are written here share one in ``target``. Devices, FIFOs and sockets are
+refused.
+
+util-linux has no such tool and rsync is not in every base image (NGC's CUDA images lack it),
+hence this module; its rules are rsync's ``-a --delete`` without ``--checksum``, plus a byte
+comparison where rsync would copy on an mtime mismatch.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class SyncError(RuntimeError):
+    """The trees cannot be made equal; the message says why."""
+
+
+@dataclass
+class SyncReport:
+    """What one sync changed in the target."""
+
+    files_written: int = 0
+    bytes_written: int = 0
+    links_made: int = 0
+    symlinks_written: int = 0
+    dirs_made: int = 0
+    removed: list[str] = field(default_factory=list)
+    unchanged: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"{self.files_written} files ({self.bytes_written / 1e6:.1f} MB) written, "
+            f"{self.links_made} hardlinks, {self.symlinks_written} symlinks, {self.dirs_made} "
+            f"dirs made, {len(self.removed)} removed, {self.unchanged} unchanged"
+        )
+
+
+def _same_file(src: os.stat_result, dst: os.stat_result, src_path: str, dst_path: str) -> bool:
+    if not stat.S_ISREG(dst.st_mode) or src.st_size != dst.st_size:
+        return False
+    if (src.st_mode, src.st_uid, src.st_gid) != (dst.st_mode, dst.st_uid, dst.st_gid):
+        return False
+    if src.st_mtime_ns == dst.st_mtime_ns:
+        return True
+    return filecmp.cmp(src_path, dst_path, shallow=False)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _write_file(src_path: str, dst_path: str, src: os.stat_result) -> None:
+    """Copy through ``<dst>.tree-sync-tmp`` and rename: ``dst_path`` is never half-written."""
+    temp = f"{dst_path}.tree-sync-tmp"
+    if os.path.lexists(temp):
+        _remove(temp)
+    shutil.copyfile(src_path, temp, follow_symlinks=False)
+    os.chown(temp, src.st_uid, src.st_gid)
+    os.chmod(temp, stat.S_IMODE(src.st_mode))
+    os.utime(temp, ns=(src.st_atime_ns, src.st_mtime_ns))
+    if os.path.isdir(dst_path) and not os.path.islink(dst_path):
+        shutil.rmtree(dst_path)
+    os.replace(temp, dst_path)
+
+
+def sync_tree(source: Path, target: Path) -> SyncReport:
+    """Make ``target`` equal to ``source`` (see the module docstring); returns what changed."""
+    if not source.is_dir() or source.is_symlink():
+        raise SyncError(f"{source} is not a directory")
+    report = SyncReport()
+    written: dict[tuple[int, int], str] = {}  # a source inode -> the target path written for it
+    if not target.is_dir() or target.is_symlink():
+        if os.path.lexists(target):
+            _remove(str(target))
+        target.mkdir(parents=True)
+        report.dirs_made += 1
+    for dirpath, dirnames, filenames in os.walk(source):
+        rel = os.path.relpath(dirpath, source)
+        here = os.path.normpath(os.path.join(target, rel))
+        wanted = set(dirnames) | set(filenames)
+        for name in sorted(set(os.listdir(here)) - wanted):
+            _remove(os.path.join(here, name))
+            report.removed.append(os.path.normpath(os.path.join(rel, name)))
+        src_dir = os.lstat(dirpath)
+        if stat.S_IMODE(os.lstat(here).st_mode) != stat.S_IMODE(src_dir.st_mode):
+            os.chmod(here, stat.S_IMODE(src_dir.st_mode))
+        for name in list(dirnames):
+            src_path, dst_path = os.path.join(dirpath, name), os.path.join(here, name)
+            src = os.lstat(src_path)
+            if stat.S_ISLNK(src.st_mode):  # os.walk lists a symlink to a directory here
+                dirnames.remove(name)
+                _sync_symlink(src_path, dst_path, report)
+                continue
+            if not (os.path.isdir(dst_path) and not os.path.islink(dst_path)):
+                if os.path.lexists(dst_path):
+                    _remove(dst_path)
+                os.mkdir(dst_path, stat.S_IMODE(src.st_mode))
+                report.dirs_made += 1
+        for name in filenames:
+            src_path, dst_path = os.path.join(dirpath, name), os.path.join(here, name)
+            src = os.lstat(src_path)
+            if stat.S_ISLNK(src.st_mode):
+                _sync_symlink(src_path, dst_path, report)
+            elif stat.S_ISREG(src.st_mode):
+                _sync_file(src_path, dst_path, src, written, report)
+            else:
+                raise SyncError(f"{src_path}: not a file, directory or symlink")
+    return report
+
+
+def _sync_symlink(src_path: str, dst_path: str, report: SyncReport) -> None:
+    link = os.readlink(src_path)
+    if os.path.islink(dst_path) and os.readlink(dst_path) == link:
+        report.unchanged += 1
+        return
+    if os.path.lexists(dst_path):
+        _remove(dst_path)
+    os.symlink(link, dst_path)
+    report.symlinks_written += 1
+
+
+def _sync_file(
+    src_path: str,
+    dst_path: str,
+    src: os.stat_result,
+    written: dict[tuple[int, int], str],
+    report: SyncReport,
+) -> None:
+    key = (src.st_dev, src.st_ino)
+    try:
+        dst = os.lstat(dst_path)
+    except FileNotFoundError:
+        dst = None
+    if key in written:  # the source's hardlink to a file written above: the same here
+        first = written[key]
+        if dst is not None and os.path.samefile(first, dst_path):
+            report.unchanged += 1
+            return
+        if dst is not None:
+            _remove(dst_path)
+        os.link(first, dst_path)
+        report.links_made += 1
+        return
+    if dst is not None and _same_file(src, dst, src_path, dst_path):
+        report.unchanged += 1
+        return
+    _write_file(src_path, dst_path, src)
+    if src.st_nlink > 1:
+        written[key] = dst_path
+    report.files_written += 1
+    report.bytes_written += src.st_size
