@@ -34,11 +34,13 @@ bud() {  # bud LABEL ARGS...: one timed build
     --build-arg VENV_SKIP_PACKAGES="$SKIP" "$@" . > "$store/$label.log" 2>&1
   echo "BENCH $label $(python3 -c "import sys; print(round(float(sys.argv[1]) - float(sys.argv[2])))" "$(date +%s.%N)" "$t0") s"
 }
-# Cold EP=all: the three backend stages one invocation each (bounds the vfs disk peak), then the image.
+# Cold EP=all: venvs-common (every backend's skeleton), the three backend stages, one invocation
+# each (bounds the vfs disk peak), then the image.
 # The backends and the EP values come from the registry: the default alone, then the first two.
 mapfile -t names < <(python3 scripts/ep_backends.py --names)
 default=$(python3 scripts/ep_backends.py --default)
 pair=$(python3 -c 'import sys; print("-".join(sys.argv[1:3]))' "${names[@]}")
+bud cold-venvs-common --build-arg EP=all --target venvs-common -t bench:venvs-common
 for t in "${names[@]/#/ep-}"; do bud "cold-$t" --build-arg EP=all --target "$t" -t "bench:$t"; done
 bud cold-all --build-arg EP=all -t bench:all
 bud "switch-$default" --build-arg EP="$default" -t "bench:$default"

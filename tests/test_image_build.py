@@ -5,10 +5,12 @@ every build here:
 - the generated stages match the backend registry; every ARG is documented; hadolint is clean;
 - an unknown EP fails within seconds, before the base stage starts, listing the valid values;
 - EP=deepep_v1-deepep_v2 builds end to end from a local base image (no registry): both venvs,
-  their identical files sharing inodes (deduplicated in the layer that copied them), the
-  default backend active, `use-ep --activate` and `EP_BACKEND=` switching it, the venv's cuDNN
-  loaded ahead of the base image's older copy, both recorded; stages EP does not select (the
-  hybridep venv, the other image-<EP> assemblies) are never built;
+  their identical files sharing inodes (the skeletons deduplicated in venvs-common's layer),
+  each venv equal, file by file, to the one its ep-<backend> stage built, and the assembly's
+  layers holding no more than those stages added; the default backend active,
+  `use-ep --activate` and `EP_BACKEND=` switching it, the venv's cuDNN loaded ahead of the base
+  image's older copy, both recorded; stages EP does not select (the hybridep venv, the other
+  image-<EP> assemblies) are never built;
 - then EP=deepep_v2 on the same storage reuses *every* backend stage (base, te, ep-deepep_v2
   from the layer cache; ep-deepep_v1 not even visited) and only assembles;
 - an air-gapped git source: HybridEP's stage clones its pinned git source through a
@@ -41,6 +43,8 @@ in <cache>/tmp between runs.
 
 from __future__ import annotations
 
+import contextlib
+import filecmp
 import hashlib
 import json
 import os
@@ -48,6 +52,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
@@ -588,6 +593,9 @@ print("PROBE " + json.dumps({
     "jit_cache_dir": os.environ.get("EP_JIT_CACHE_DIR"),
     "torch_inodes": {b: ino(b) for b in image["backends"]},
     "dedup": json.loads((prefix / "dedup.json").read_text()),
+    "common": json.loads((prefix / "venvs-common.json").read_text()),
+    "venvs": sorted(p.name for p in prefix.iterdir()
+                    if (p / "pyvenv.cfg").is_file() and not p.is_symlink()),
 }))
 """
 
@@ -646,12 +654,15 @@ def test_multi_backend_image(
         assert last.step_cached(f"--backend {name} "), f"ep-{name} was built twice"
     assert "ep-hybridep" not in visited, "a backend EP does not select was built"
     assert not [s for s in visited if s.startswith("image-") and s != f"image-{MULTI_EP}"]
-    # Deduplicated in the layer that copied them: torch is one inode shared by both venvs.
+    # Deduplicated in venvs-common's layer: torch is one inode shared by both venvs; the
+    # skeleton EP does not select (hybridep) is gone.
     inodes = data["torch_inodes"]
     assert inodes["deepep_v1"][0] == inodes["deepep_v2"][0]
     assert inodes["deepep_v1"][1] >= 2
-    saved = data["dedup"]["saved_bytes"]
-    assert saved > 1_000_000_000, data["dedup"]
+    assert data["common"]["skeletons"] == list(backends.BACKEND_NAMES)
+    saved = data["common"]["dedup"]["saved_bytes"]
+    assert saved > 1_000_000_000, data["common"]
+    assert data["venvs"] == ["deepep_v1", "deepep_v2"]
     du_all = int(re.search(r"DU-ALL (\d+)", out).group(1))
     du_each = [int(n) for n in re.findall(r"DU-ONE (\d+)", out)]
     assert du_all < 0.6 * sum(du_each)
@@ -682,6 +693,86 @@ def test_multi_backend_image(
         "CI profile: TE NOT BUILT (TE_BUILD=skip, te-build.json: skipped=true); "
         "real hybridep NOT BUILT (git source, no GitHub; a stand-in is, below); no GPU",
         "CI profile: left out of every venv: " + " ".join(LEFT_OUT),
+    ])  # fmt: skip
+
+
+@contextlib.contextmanager
+def mounted(buildah: Buildah, image: str) -> Iterator[Path]:
+    """The root file system of a new container of ``image``, mounted here."""
+    ctr = buildah("from", image).stdout.strip()
+    try:
+        yield Path(buildah("mount", ctr).stdout.strip())
+    finally:
+        buildah("umount", ctr, check=False)
+        buildah("rm", ctr, check=False)
+
+
+def tree_differences(left: Path, right: Path) -> list[str]:
+    """Paths whose type, mode, owner, bytes or link target differ (every file read in full)."""
+
+    def entries(root: Path) -> dict[str, os.stat_result]:
+        found = {}
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in [*dirnames, *filenames]:
+                path = os.path.join(dirpath, name)
+                found[os.path.relpath(path, root)] = os.lstat(path)
+        return found
+
+    a, b = entries(left), entries(right)
+    differ = sorted(set(a) ^ set(b))
+    for rel in sorted(set(a) & set(b)):
+        x, y = a[rel], b[rel]
+        if (x.st_mode, x.st_uid, x.st_gid) != (y.st_mode, y.st_uid, y.st_gid):
+            differ.append(rel)
+        elif stat.S_ISLNK(x.st_mode):
+            if os.readlink(left / rel) != os.readlink(right / rel):
+                differ.append(rel)
+        elif stat.S_ISREG(x.st_mode) and (
+            x.st_size != y.st_size or not filecmp.cmp(left / rel, right / rel, shallow=False)
+        ):
+            differ.append(rel)
+    return differ
+
+
+@pytest.mark.slow
+def test_multi_backend_assembly_is_each_stage_venv_and_only_its_files(
+    buildah: Buildah, multi_build: Built, pytestconfig: pytest.Config
+) -> None:
+    """Each venv of the multi-backend image is, file by file, the one its ep-<backend> stage
+    built; the assembly's own layers hold only what those stages added to venvs-common."""
+    names = MULTI_EP.split("-")
+    stage_images = {n: f"{multi_build.image}-ep-{n}" for n in names}
+    started = time.monotonic()
+    with mounted(buildah, multi_build.image) as image_root:
+        for name, stage in stage_images.items():
+            with mounted(buildah, stage) as stage_root:
+                venv = f"opt/venvs/{name}"
+                assert tree_differences(image_root / venv, stage_root / venv) == [], name
+    compared = time.monotonic() - started
+    # The layers: venvs-common's chain is what both stages share; each stage adds its own.
+    chains = {n: [x["id"] for x in reversed(buildah.layers(s))] for n, s in stage_images.items()}
+    pairs = zip(*chains.values(), strict=False)  # the shorter chain ends the comparison
+    common = [x for x, _ in takewhile(lambda pair: pair[0] == pair[1], pairs)]
+    sizes = {
+        x["id"]: x.get("diff-size") or 0 for n in names for x in buildah.layers(stage_images[n])
+    }
+    own = {n: sum(sizes[x] for x in chains[n][len(common) :]) for n in names}
+    image_chain = [x["id"] for x in reversed(buildah.layers(multi_build.image))]
+    assert image_chain[: len(common)] == common, "the image does not start from venvs-common"
+    added = sum(x.get("diff-size") or 0 for x in buildah.layers(multi_build.image)) - sum(
+        sizes[x] for x in common
+    )
+    assert added < sum(own.values()) + 16 * 2**20, (added, own)
+    log = multi_build.builds[-2].text()  # the image-<EP> target's build, where the RUN ran
+    synced = re.findall(r"image_stage: (\S+) from ep-\S+ onto its skeleton .*?\((\S+) MB\) written",
+                        log)  # fmt: skip
+    assert [n for n, _ in synced] == names, log[-3000:]
+    announce(pytestconfig, [
+        f"EP={MULTI_EP}: each venv equal to its stage's (compared in {compared:.0f}s); "
+        f"the assembly added {added / 2**20:.1f} MiB over venvs-common "
+        "(the stages' own layers: "
+        + ", ".join(f"{n} {v / 2**20:.1f} MiB" for n, v in own.items()) + "; "
+        f"written by the sync: {', '.join(f'{n} {mb} MB' for n, mb in synced)})",
     ])  # fmt: skip
 
 
@@ -719,6 +810,7 @@ def test_changing_only_ep_reuses_every_backend_stage(
     assert data["dist"] == ["sgl-deep-ep", "0.1.2.post1"]
     assert list(data["torch_inodes"]) == ["deepep_v2"]
     assert data["stages"] == ["deepep_v2.json"]
+    assert data["venvs"] == ["deepep_v2"], "a skeleton EP does not select is left"
     multi, single = multi_build.size, buildah.size(single_build.image)
     assert multi <= 1.02 * single, f"a second backend costs {multi / single:.3f}x (target 1.02x)"
     # One backend: the image is its venv's stage plus small layers; the venv is not copied.
@@ -831,7 +923,7 @@ def test_git_source_builds_through_the_gitconfig_secret(
     ))  # fmt: skip
     line = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.splitlines() if " " in ln}
     # make_venv's NVSHMEM set-up, the same one host mode runs (tests/test_make_venv.py).
-    fake_hybridep.assert_built_by_make_venv(json.loads(line["BUILD-ENV"]), "/opt/venvs")
+    fake_hybridep.assert_built_by_make_venv(json.loads(line["BUILD-ENV"]), "/opt/venvs", True)
     assert json.loads(line["NVSHMEM"])["extension"]["runpath"] == ["$ORIGIN/nvidia/nvshmem/lib"]
     assert "/opt/venvs/hybridep/lib/python3" in out.split("libnvshmem_host.so.3 =>")[1]
     # The commit came from the mirror, recorded under its real URL; the secret left no trace.

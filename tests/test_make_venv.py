@@ -319,3 +319,68 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
         ]  # fmt: skip
         assert stamped == [], stamped[:5]
     assert report["timestamp_pyc"] is None
+
+
+def test_complete_needs_a_skeleton_of_this_lock_and_skip_list(tmp_path: Path) -> None:
+    """--complete (the image's ep stages) refuses before syncing anything."""
+    prefix = tmp_path / "venvs"
+    proc = make_venv("--complete", "--backend", "deepep_v2", "--prefix", prefix)
+    assert proc.returncode == 1
+    assert "ep-skeleton.json" in proc.stderr and "--skeleton" in proc.stderr
+    (prefix / "deepep_v2").mkdir(parents=True)
+    record = {
+        "lock_sha256": hashlib.sha256((ROOT / "uv.lock").read_bytes()).hexdigest(),
+        "skipped_packages": ["transformer-engine", "triton", "sgl-deep-ep"],
+    }
+    (prefix / "deepep_v2" / "ep-skeleton.json").write_text(json.dumps(record))
+    proc = make_venv("--complete", "--backend", "deepep_v2", "--prefix", prefix)
+    assert proc.returncode == 1
+    assert "made from another skipped_packages" in proc.stderr, proc.stderr
+    assert not (prefix / "deepep_v2" / "ep-backend.json").exists()
+
+
+@pytest.mark.slow
+def test_skeleton_then_complete_is_the_venv_a_direct_build_makes(tmp_path: Path) -> None:
+    """The image's two steps (venvs-common, then ep-<backend>) give, file for file, the venv
+    host mode builds in one; completing touches no file of the skeleton it starts from."""
+    from _venv_helpers import snapshot
+
+    skip = "nvidia-cublas nvidia-cufft nvidia-cusolver nvidia-nccl-cu13 triton"  # smaller venvs
+    env = {**os.environ, "UV_COMPILE_BYTECODE": "1"}
+    common = tmp_path / "common"
+    both = ["--backend", "deepep_v1", "--backend", "deepep_v2"]
+    proc = make_venv("--skeleton", *both, "--prefix", common, "--dedup",
+                     "--no-install-packages", skip, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((common / "venvs-common.json").read_text())
+    assert record["skeletons"] == ["deepep_v1", "deepep_v2"] and record["dedup"] is not None
+    for name, dist in (("deepep_v1", "tokenspeed-deepep"), ("deepep_v2", "sgl-deep-ep")):
+        skeleton = json.loads((common / name / "ep-skeleton.json").read_text())
+        assert skeleton["backend_installed"] is False and dist in skeleton["skipped_packages"]
+        assert not (common / name / "ep-backend.json").exists()
+        assert not (site_packages(common / name) / "deep_ep").exists()
+    torch_init = site_packages(common / "deepep_v2") / "torch" / "__init__.py"
+    other = site_packages(common / "deepep_v1") / "torch" / "__init__.py"
+    assert torch_init.stat().st_ino == other.stat().st_ino, "skeletons not deduplicated"
+    before = torch_init.stat()
+
+    proc = make_venv("--complete", "--backend", "deepep_v2", "--prefix", common,
+                     "--no-install-packages", skip, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = common / "deepep_v2"
+    assert not (venv / "ep-skeleton.json").exists()
+    info = json.loads((venv / "ep-backend.json").read_text())
+    assert info["backend_installed"] is True and info["completed_from_skeleton"]
+    after = torch_init.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    pyc = next((site_packages(venv) / "deep_ep" / "__pycache__").glob("__init__.*.pyc"))
+    assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 3, "new sources: checked-hash"
+
+    direct = tmp_path / "direct"
+    proc = make_venv("--backend", "deepep_v2", "--prefix", direct, "--no-install-packages", skip,
+                     env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    completed, built = snapshot(venv), snapshot(direct / "deepep_v2")
+    for tree in (completed, built):
+        tree.pop("ep-backend.json")
+    assert completed == built
