@@ -77,7 +77,7 @@ def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = Fals
                 )
             started = time.monotonic()
             target = prefix / name
-            held = "its skeleton" if (target / SKELETON_FILE).is_file() else "nothing"
+            held = "its skeleton" if (target / SKELETON_FILE).is_file() else "no skeleton"
             try:
                 report = tree_sync.sync_tree(source, target)
             except (tree_sync.SyncError, OSError) as exc:

@@ -467,16 +467,17 @@ def build_info(
     }
 
 
-def dedup_venv(venv: Path) -> dict[str, object]:
-    """Hardlink identical files inside the new venv (scripts/dedup.py): the image's ep stages
-    ask for it, because a one-backend image reuses the stage's layer as it is, and linking them
-    in a later layer would copy each kept file up instead of saving anything."""
+def dedup_venvs(*venvs: Path) -> dict[str, object]:
+    """Hardlink identical files inside and across ``venvs`` (scripts/dedup.py), in the layer
+    that wrote them: the image asks for it, because linking in a later layer would copy each
+    kept file up instead of saving anything."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "dedup.json"
-        cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(report), str(venv)]
+        cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(report), *map(str, venvs)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise BuildError(f"dedup.py failed on {venv}: {tail(proc.stderr or proc.stdout)}")
+            names = ", ".join(map(str, venvs))
+            raise BuildError(f"dedup.py failed on {names}: {tail(proc.stderr or proc.stdout)}")
         data = json.loads(report.read_text())
     return {k: data.get(k) for k in ("du_bytes_before", "du_bytes_after", "saved_bytes")}
 
@@ -512,7 +513,7 @@ def build_one(uv: str, name: str, opts: Options, skeleton: bool = False) -> Path
         install_te(uv, temp, opts.te_wheels)
         if opts.compile_bytecode:
             compile_bytecode(temp)
-        dedup = dedup_venv(temp) if opts.dedup and not skeleton else None
+        dedup = dedup_venvs(temp) if opts.dedup and not skeleton else None
         installed = installed_distributions(uv, temp)
         present = verify_backend(temp, backend, installed)
         assert_relocated(temp, temp.name)
@@ -612,15 +613,7 @@ def build_skeletons(uv: str, opts: Options) -> list[Path]:
         "dedup": None,
     }
     if opts.dedup:
-        with tempfile.TemporaryDirectory() as scratch:
-            report = Path(scratch) / "dedup.json"
-            cmd = [sys.executable, str(HERE / "dedup.py"), "--json", str(report), *map(str, built)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise BuildError(f"dedup.py failed: {tail(proc.stderr or proc.stdout)}")
-            data = json.loads(report.read_text())
-        keys = ("du_bytes_before", "du_bytes_after", "saved_bytes")
-        record["dedup"] = {k: data.get(k) for k in keys}
+        record["dedup"] = dedup_venvs(*built)
         print(f"make_venv: skeletons deduplicated: {record['dedup']}", flush=True)
     write_json(opts.prefix / SKELETONS_RECORD, record)
     return built
