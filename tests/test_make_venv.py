@@ -196,12 +196,13 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
 
 
 def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
-    """One code path: build_host.sh and the image's ep-<backend> stages both run make_venv.py,
+    """One code path: build_host.sh and the image's ep-<backend> stages both run make_venv.py
+    (the image with --complete, whose sync is host mode's: test_skeleton_then_complete_...),
     and the NVSHMEM set-up lives only in ep_image/nvshmem.py, which make_venv calls."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
     stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
-    assert "/opt/ep-image/scripts/make_venv.py --backend hybridep" in stage
+    assert "/opt/ep-image/scripts/make_venv.py --complete --backend hybridep" in stage
     assert "make_venv.py" in (SCRIPTS / "build_host.sh").read_text()
     assert "nvshmem.build_environment(" in (SCRIPTS / "make_venv.py").read_text()
     for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh"]:
