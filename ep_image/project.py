@@ -16,6 +16,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+# A venv's record, written by scripts/make_venv.py and read by the image's steps: a finished
+# backend venv, or (venvs-common) a skeleton without its backend's distribution.
+VENV_RECORD = "ep-backend.json"
+SKELETON_RECORD = "ep-skeleton.json"
+
 
 class PinError(RuntimeError):
     """A pin the caller needs is not in pyproject.toml or uv.lock; the message says which."""

@@ -41,11 +41,11 @@ import stage_cudnn  # sibling modules (scripts/ is on sys.path as the script's d
 import tree_sync
 
 from ep_image import backends
+from ep_image.project import SKELETON_RECORD as SKELETON_FILE
+from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import write_json
 
 HERE = Path(__file__).resolve().parent
-INFO_FILE = "ep-backend.json"
-SKELETON_FILE = "ep-skeleton.json"  # make_venv.py --skeleton's record: not a finished venv
 
 
 class StageError(RuntimeError):

@@ -57,11 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_image import backends as ep_backends
 from ep_image import nvshmem, source_build, tools
+from ep_image.project import SKELETON_RECORD as SKELETON_FILE
+from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import VenvError, sha256_file, write_json
 from ep_image.project import site_packages as site_packages_of
 
-INFO_FILE = "ep-backend.json"
-SKELETON_FILE = "ep-skeleton.json"  # a venv without its backend's distribution (--skeleton)
 SKELETONS_RECORD = "venvs-common.json"  # the --skeleton run: which, from what, deduplicated
 HERE = Path(__file__).resolve().parent
 TE_DISTRIBUTION = "transformer-engine"
@@ -501,7 +501,7 @@ def build_one(uv: str, name: str, opts: Options, skeleton: bool = False) -> Path
     image's shared layer; ``complete_one`` finishes it).
     """
     backend = ep_backends.get_backend(name, opts.project, opts.variant)
-    skip = [*opts.no_install_packages, *([backend.distribution] if skeleton else [])]
+    skip = skeleton_skip(opts, backend) if skeleton else opts.no_install_packages
     for stale in stale_temp_dirs(opts.prefix, name):
         print(f"make_venv: removing {stale} left by an interrupted build", flush=True)
         shutil.rmtree(stale)
@@ -532,14 +532,20 @@ def build_one(uv: str, name: str, opts: Options, skeleton: bool = False) -> Path
     return final
 
 
-def tree_state(root: Path) -> dict[str, tuple[int, int, int, int]]:
-    """relative path -> (inode, size, mtime_ns, mode) of every entry under ``root``."""
+def skeleton_skip(opts: Options, backend: ep_backends.Backend) -> list[str]:
+    """What a skeleton leaves out: the skip list, and the backend's own distribution."""
+    return [*opts.no_install_packages, backend.distribution]
+
+
+def python_sources(root: Path) -> dict[str, tuple[int, int, int]]:
+    """relative path -> (inode, size, mtime_ns) of every ``.py`` file under ``root``."""
     state = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for entry in [*dirnames, *filenames]:
-            st = os.lstat(os.path.join(dirpath, entry))
-            rel = os.path.relpath(os.path.join(dirpath, entry), root)
-            state[rel] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            if name.endswith(".py"):
+                st = os.lstat(os.path.join(dirpath, name))
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                state[rel] = (st.st_ino, st.st_size, st.st_mtime_ns)
     return state
 
 
@@ -560,7 +566,7 @@ def complete_one(uv: str, name: str, opts: Options) -> Path:
             f"{name}: --complete needs the skeleton {venv / SKELETON_FILE} ({exc}); make it "
             f"with make_venv.py --skeleton (the Dockerfile's venvs-common stage)"
         ) from None
-    wanted = [TE_DISTRIBUTION, *opts.no_install_packages, backend.distribution]
+    wanted = [TE_DISTRIBUTION, *skeleton_skip(opts, backend)]
     made_from = {"lock_sha256": sha256_file(opts.project / "uv.lock"), "skipped_packages": wanted}
     differ = [k for k, v in made_from.items() if skeleton.get(k) != v]
     if differ:
@@ -569,15 +575,14 @@ def complete_one(uv: str, name: str, opts: Options) -> Path:
             f"({', '.join(f'{k}: {skeleton.get(k)} vs {made_from[k]}' for k in differ)}); "
             "make it again with make_venv.py --skeleton from this lock and skip list"
         )
-    before = tree_state(venv)
+    before = python_sources(venv) if opts.compile_bytecode else {}
     nvshmem_build = sync_backend(
         uv, venv, backend, opts.project, opts.no_install_packages,
         te=bool(skeleton.get("te_wheels")), inexact=True,
     )  # fmt: skip
     shutil.rmtree(venv / source_build.SCRATCH, ignore_errors=True)
     if opts.compile_bytecode:
-        after = tree_state(venv)
-        new = [r for r, st in after.items() if r.endswith(".py") and before.get(r) != st]
+        new = [r for r, st in python_sources(venv).items() if before.get(r) != st]
         compile_bytecode(venv, [venv / r for r in sorted(new)])
     installed = installed_distributions(uv, venv)
     present = verify_backend(venv, backend, installed)

@@ -17,9 +17,10 @@ elsewhere (another skeleton) keeps its old content there. Files that share an in
 ``source`` and are written here share one in ``target``. Devices, FIFOs and sockets are
 refused.
 
-util-linux has no such tool and rsync is not in every base image (NGC's CUDA images lack it),
-hence this module; its rules are rsync's ``-a --delete`` without ``--checksum``, plus a byte
-comparison where rsync would copy on an mtime mismatch.
+util-linux has no such tool, and rsync is an optional package (Debian: Priority optional; the
+image tests' minbase base image lacks it) that a base image need not have, hence this module;
+its rules are rsync's ``-a --delete`` without ``--checksum``, plus a byte comparison where rsync
+would rewrite a file whose mtime differs (rewriting it would copy it into the layer).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ else is installed from PyPI by uv itself.
 from __future__ import annotations
 
 import base64
+import filecmp
 import hashlib
 import os
 import stat
@@ -114,3 +115,30 @@ def apparent_bytes(*roots: Path) -> int:
 
 def site_packages(venv: Path) -> Path:
     return next(venv.glob("lib/python3*/site-packages"))
+
+
+def tree_differences(left: Path, right: Path) -> list[str]:
+    """Paths whose type, mode, owner, bytes or link target differ (every file read in full)."""
+
+    def entries(root: Path) -> dict[str, os.stat_result]:
+        found = {}
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in [*dirnames, *filenames]:
+                path = os.path.join(dirpath, name)
+                found[os.path.relpath(path, root)] = os.lstat(path)
+        return found
+
+    a, b = entries(left), entries(right)
+    differ = sorted(set(a) ^ set(b))
+    for rel in sorted(set(a) & set(b)):
+        x, y = a[rel], b[rel]
+        if (x.st_mode, x.st_uid, x.st_gid) != (y.st_mode, y.st_uid, y.st_gid):
+            differ.append(rel)
+        elif stat.S_ISLNK(x.st_mode):
+            if os.readlink(left / rel) != os.readlink(right / rel):
+                differ.append(rel)
+        elif stat.S_ISREG(x.st_mode) and (
+            x.st_size != y.st_size or not filecmp.cmp(left / rel, right / rel, shallow=False)
+        ):
+            differ.append(rel)
+    return differ

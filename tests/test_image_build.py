@@ -44,7 +44,6 @@ in <cache>/tmp between runs.
 from __future__ import annotations
 
 import contextlib
-import filecmp
 import hashlib
 import json
 import os
@@ -52,7 +51,6 @@ import re
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tarfile
@@ -67,6 +65,7 @@ import fake_hybridep
 import pytest
 from _image_storage import image_bytes, layer_chain
 from _progress import Progress
+from _venv_helpers import tree_differences
 
 from ep_image import backends, dockerfile, nvshmem, project, tools
 
@@ -705,33 +704,6 @@ def mounted(buildah: Buildah, image: str) -> Iterator[Path]:
     finally:
         buildah("umount", ctr, check=False)
         buildah("rm", ctr, check=False)
-
-
-def tree_differences(left: Path, right: Path) -> list[str]:
-    """Paths whose type, mode, owner, bytes or link target differ (every file read in full)."""
-
-    def entries(root: Path) -> dict[str, os.stat_result]:
-        found = {}
-        for dirpath, dirnames, filenames in os.walk(root):
-            for name in [*dirnames, *filenames]:
-                path = os.path.join(dirpath, name)
-                found[os.path.relpath(path, root)] = os.lstat(path)
-        return found
-
-    a, b = entries(left), entries(right)
-    differ = sorted(set(a) ^ set(b))
-    for rel in sorted(set(a) & set(b)):
-        x, y = a[rel], b[rel]
-        if (x.st_mode, x.st_uid, x.st_gid) != (y.st_mode, y.st_uid, y.st_gid):
-            differ.append(rel)
-        elif stat.S_ISLNK(x.st_mode):
-            if os.readlink(left / rel) != os.readlink(right / rel):
-                differ.append(rel)
-        elif stat.S_ISREG(x.st_mode) and (
-            x.st_size != y.st_size or not filecmp.cmp(left / rel, right / rel, shallow=False)
-        ):
-            differ.append(rel)
-    return differ
 
 
 @pytest.mark.slow

@@ -8,28 +8,11 @@ layer instead of being copied into the new one).
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 import pytest
 import tree_sync
-
-
-def tree(root: Path) -> dict[str, tuple]:
-    """Every entry: type, mode, and content or link target (what "equal" means)."""
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            path = Path(dirpath, name)
-            st = path.lstat()
-            rel = str(path.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(path))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            else:
-                out[rel] = ("file", stat.S_IMODE(st.st_mode), path.read_bytes())
-    return out
+from _venv_helpers import tree_differences
 
 
 def write(path: Path, text: str, mtime_ns: int | None = None) -> Path:
@@ -77,7 +60,7 @@ def test_target_ends_equal_and_only_differences_are_written(tmp_path: Path) -> N
 
     report = tree_sync.sync_tree(src, dst)
 
-    assert tree(dst) == tree(src)
+    assert tree_differences(dst, src) == []
     assert {n: (dst / "lib" / n).stat().st_ino for n in kept} == kept, "rewrote an equal file"
     assert (other / "shared.so").read_text() == "skeleton's\n", "a write reached the other tree"
     assert (dst / "lib/changed.py").stat().st_mtime_ns == t0 + 9, "written without its mtime"
@@ -96,7 +79,7 @@ def test_missing_target_is_a_full_copy(tmp_path: Path) -> None:
     write(tmp_path / "src/a/b.txt", "b")
     (tmp_path / "src/a/c").symlink_to("b.txt")
     tree_sync.sync_tree(tmp_path / "src", tmp_path / "dst")
-    assert tree(tmp_path / "dst") == tree(tmp_path / "src")
+    assert tree_differences(tmp_path / "dst", tmp_path / "src") == []
 
 
 def test_special_files_and_a_missing_source_are_refused(tmp_path: Path) -> None:
