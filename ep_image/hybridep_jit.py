@@ -645,7 +645,10 @@ def _prepare(
         cache.writable = True
     except OSError as exc:
         if not key_dir.is_dir():
-            raise _Off(f"cannot create {key_dir} ({exc.strerror or exc})") from None
+            raise _Off(
+                f"cannot create {key_dir} ({exc.strerror or exc}): set {CACHE_ENV} to a "
+                "writable directory, or to off"
+            ) from None
         cache.reason = f"{key_dir} is read-only here ({exc.strerror or exc})"
         _warn(f"{cache.reason}: cached kernels are used, new ones are not kept")
     cache.key_dir = key_dir
