@@ -111,11 +111,18 @@ SPECS: tuple[BackendSpec, ...] = (
     BackendSpec(
         name="deepep_v1",
         title="DeepEP v1 (deep_ep.Buffer)",
-        distribution="tokenspeed-deepep",
+        distribution="deep-ep",
         layout_marker="buffer.py",
+        builds_from_source=True,
+        build_needs=(NVSHMEM,),
         links_nvshmem=True,
         internode_check="nvshmem",
         upstream_test="test_intranode.py",
+        build_hint=(
+            "compiled from its pinned git commit against the venv's torch and NVSHMEM: needs git "
+            "access to the commit (GitHub, or a mirror through url.<mirror>.insteadOf), a CUDA "
+            "toolkit with nvcc, and libcuda.so to link (the driver's, or the toolkit's stub)"
+        ),
     ),
     BackendSpec(
         name="deepep_v2",
@@ -241,9 +248,11 @@ def expand_backends(names: Iterable[str]) -> list[str]:
 
 
 def other_distributions(name: str) -> list[str]:
-    """The distributions of every backend except ``name``: none may share its venv."""
-    validate_backend(name)
-    return [s.distribution for s in SPECS if s.name != name]
+    """The distributions of every backend except ``name``, less its own (DeepEP v1 and HybridEP
+    are both ``deep-ep`` from git: the layout tells them apart): none may share its venv."""
+    own = normalize(spec(name).distribution)
+    others = [s.distribution for s in SPECS if s.name != name]
+    return list(dict.fromkeys(d for d in others if normalize(d) != own))
 
 
 def known_distributions() -> tuple[str, ...]:
@@ -273,6 +282,16 @@ def layout_markers() -> tuple[tuple[str, str], ...]:
     shadowing = [s for s in SPECS if s.also_ships_markers_of]
     rest = [s for s in reversed(SPECS) if not s.also_ships_markers_of]
     return tuple((s.name, s.layout_marker) for s in (*shadowing, *rest))
+
+
+def layout_backend(package_dir: Path) -> str | None:
+    """The backend whose layout ``package_dir`` (an installed ``deep_ep`` directory) has, by its
+    marker files; None if no backend's. DeepEP v1 and HybridEP are one distribution (``deep-ep``
+    from git), so only the layout tells which commit a venv holds."""
+    for backend, marker in layout_markers():
+        if (package_dir / marker).is_file():
+            return backend
+    return None
 
 
 def install_hint(name: str) -> str:

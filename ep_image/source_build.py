@@ -1,11 +1,10 @@
 """The machine's part of a backend's source build: checked before it starts, keyed for uv's cache.
 
-Why: HybridEP's multi-node build (``HYBRID_EP_MULTINODE=1`` in pyproject.toml's
-``[tool.uv.extra-build-variables]``, DOCA path) compiles against rdma-core's headers under
-``RDMA_CORE_HOME`` and links ``-l:libnvidia-ml.so.1``, which a build machine without a driver
-lacks; either fails many minutes into the compile with a linker or preprocessor line. So
-``preflight`` names the fix first, and ``nvml_stub`` puts the CUDA toolkit's NVML stub on the
-link path of that one build (the driver's real library is loaded at run time).
+Why: every DeepEP build compiles with nvcc and links ``-lcuda``, and HybridEP's multi-node build
+also compiles against rdma-core's headers and links ``-l:libnvidia-ml.so.1``; on a build machine
+without a driver or headers each fails minutes into the compile with a linker or preprocessor
+line. So ``preflight`` names the fix first, and ``link_stubs`` puts the CUDA toolkit's driver
+stubs on the link path of that one build (the driver's real libraries are loaded at run time).
 
 uv keys its build cache on the source and the declared build variables, not on the environment
 (tests/test_build_variables.py shows a changed ``TORCH_CUDA_ARCH_LIST`` silently reusing the old
@@ -39,11 +38,23 @@ RDMA_FIX = (
     "install rdma-core's development files (Debian/Ubuntu: apt-get install libibverbs-dev "
     "ibverbs-providers; the image's APT_PACKAGES holds them)"
 )
+#: The driver libraries a backend's link step names, as the linker looks them up: every DeepEP
+#: setup.py links ``-lcuda``; HybridEP's multi-node build also ``-l:libnvidia-ml.so.1``. A build
+#: machine without a driver links the CUDA toolkit's stubs instead (the file name in the stubs
+#: directory beside each); at run time the extension loads the driver's real library.
+CUDA_LINK = "libcuda.so"
 NVML = "libnvidia-ml.so.1"
+STUB_FILES = {CUDA_LINK: "libcuda.so", NVML: "libnvidia-ml.so"}
 KEY_PREFIX = ".ep-build-key-"
-#: Scratch directory (inside the venv being built) for the NVML stub link; removed after.
+#: Scratch directory (inside the venv being built) for the stub links; removed after.
 SCRATCH = ".ep-source-build"
 TRUE = {"1", "true", "t", "yes", "y", "on"}
+_SYSTEM_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+)
 
 
 def declared_variables(pyproject: dict, distribution: str) -> dict[str, str]:
@@ -59,73 +70,92 @@ def multinode_doca(variables: dict[str, str]) -> bool:
     return on and not nixl
 
 
+def driver_links(variables: dict[str, str]) -> tuple[str, ...]:
+    """The driver libraries the build links, given its declared variables."""
+    return (CUDA_LINK, NVML) if multinode_doca(variables) else (CUDA_LINK,)
+
+
 def cuda_home(env: dict[str, str]) -> Path:
     return Path(env.get("CUDA_HOME") or "/usr/local/cuda")
 
 
-def preflight(variables: dict[str, str], env: dict[str, str]) -> list[str]:
-    """What HybridEP's multi-node build will miss, each with its fix; empty when it can start
-    (or when the declared variables do not select that build: then torch's own build says what
-    is missing)."""
+def preflight(variables: dict[str, str], env: dict[str, str], nvshmem: bool = False) -> list[str]:
+    """What a backend's source build will miss, each with its fix; empty when it can start.
+
+    Every build compiles CUDA kernels and links ``-lcuda``. rdma-core's headers are needed by
+    the multi-node build (selected by the declared variables) and by any build against NVSHMEM
+    (``nvshmem``): its device headers include ``infiniband/mlx5dv.h`` (seen building DeepEP v1
+    against nvidia-nvshmem-cu13 3.4.5). The rest torch's own build reports.
+    """
     problems: list[str] = []
-    if not multinode_doca(variables):
-        return problems
     nvcc = cuda_home(env) / "bin" / "nvcc"
     if not nvcc.is_file():
         problems.append(
-            f"no nvcc at {nvcc}: the backend compiles CUDA kernels (and NCCL's DOCA objects). "
-            "Fix: set CUDA_HOME to a CUDA 13 toolkit (a -devel base image has one at "
-            "/usr/local/cuda)"
+            f"no nvcc at {nvcc}: the backend compiles CUDA kernels. Fix: set CUDA_HOME to a "
+            "CUDA 13 toolkit (a -devel base image has one at /usr/local/cuda)"
         )
-    home = Path(variables.get("RDMA_CORE_HOME") or env.get("RDMA_CORE_HOME") or "/usr")
-    missing = [h for h in RDMA_HEADERS if not (home / "include" / h).is_file()]
-    if missing:
-        problems.append(
-            f"HYBRID_EP_MULTINODE=1 builds the RDMA path against {home}/include, which lacks "
-            f"{', '.join(missing)}. Fix: {RDMA_FIX}"
+    if multinode_doca(variables) or nvshmem:
+        home = Path(variables.get("RDMA_CORE_HOME") or env.get("RDMA_CORE_HOME") or "/usr")
+        missing = [h for h in RDMA_HEADERS if not (home / "include" / h).is_file()]
+        why = (
+            "HYBRID_EP_MULTINODE=1 builds the RDMA path"
+            if multinode_doca(variables)
+            else ("NVSHMEM's device headers are compiled")
         )
-    if nvml_on_link_path(env) is None and nvml_stub_source(env) is None:
-        problems.append(
-            f"the multi-node build links {NVML}, found neither on the loader's path (a "
-            f"driver) nor as the CUDA toolkit's stub ({cuda_home(env)}/lib64/stubs/"
-            "libnvidia-ml.so). Fix: use a CUDA -devel toolkit, which ships the stub"
-        )
+        if missing:
+            problems.append(
+                f"{why} against {home}/include, which lacks {', '.join(missing)}. Fix: {RDMA_FIX}"
+            )
+    for name in driver_links(variables):
+        if on_link_path(name, env) is None and stub_source(name, env) is None:
+            problems.append(
+                f"the build links {name}, found neither on the linker's path (a driver, "
+                f"LIBRARY_PATH) nor as the CUDA toolkit's stub ({cuda_home(env)}/lib64/stubs/"
+                f"{STUB_FILES[name]}). Fix: use a CUDA -devel toolkit, which ships the stubs, "
+                "or put a directory holding the library on LIBRARY_PATH"
+            )
     return problems
 
 
-def nvml_on_link_path(env: dict[str, str]) -> Path | None:
-    """A ``libnvidia-ml.so.1`` the linker finds by itself (LIBRARY_PATH or the system's)."""
+def on_link_path(name: str, env: dict[str, str]) -> Path | None:
+    """``name`` where the linker finds it by itself: LIBRARY_PATH, the toolkit's lib64 (torch's
+    build passes it with -L) or the system's directories."""
     dirs = [d for d in env.get("LIBRARY_PATH", "").split(os.pathsep) if d]
-    dirs += ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"]
-    return next((Path(d) / NVML for d in dirs if (Path(d) / NVML).exists()), None)
+    dirs += [str(cuda_home(env) / "lib64"), *_SYSTEM_LIB_DIRS]
+    return next((Path(d) / name for d in dirs if (Path(d) / name).exists()), None)
 
 
-def nvml_stub_source(env: dict[str, str]) -> Path | None:
+def stub_source(name: str, env: dict[str, str]) -> Path | None:
+    """The CUDA toolkit's stub standing in for ``name`` at link time, if it ships one."""
     home = cuda_home(env)
     candidates = [home / "lib64" / "stubs", *sorted(home.glob("targets/*/lib/stubs"))]
-    return next(
-        (d / "libnvidia-ml.so" for d in candidates if (d / "libnvidia-ml.so").is_file()), None
-    )
+    stub = STUB_FILES[name]
+    return next((d / stub for d in candidates if (d / stub).is_file()), None)
 
 
-def nvml_stub(env: dict[str, str], scratch: Path) -> dict[str, str]:
-    """LIBRARY_PATH with ``scratch/libnvidia-ml.so.1`` -> the toolkit's stub, when needed.
+def link_stubs(env: dict[str, str], scratch: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """LIBRARY_PATH with ``scratch/<name>`` -> the toolkit's stub for each of ``names`` the
+    linker would not find by itself; {} when none is needed.
 
     Only the link step sees it (LIBRARY_PATH, not LD_LIBRARY_PATH or a runpath): at run time the
-    extension loads the driver's real NVML.
+    extension loads the driver's real library.
     """
-    if nvml_on_link_path(env) is not None:
+    linked = []
+    for name in names:
+        stub = stub_source(name, env)
+        if on_link_path(name, env) is not None or stub is None:
+            continue
+        scratch.mkdir(parents=True, exist_ok=True)
+        link = scratch / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(stub)
+        linked.append(name)
+    if not linked:
         return {}
-    stub = nvml_stub_source(env)
-    if stub is None:
-        return {}
-    scratch.mkdir(parents=True, exist_ok=True)
-    link = scratch / NVML
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(stub)
-    path = os.pathsep.join(filter(None, [str(scratch), env.get("LIBRARY_PATH", "")]))
-    return {"LIBRARY_PATH": path}
+    return {
+        "LIBRARY_PATH": os.pathsep.join(filter(None, [str(scratch), env.get("LIBRARY_PATH", "")]))
+    }
 
 
 def build_key(env: dict[str, str], variables: dict[str, str]) -> dict[str, str | None]:
@@ -154,17 +184,23 @@ def uv_cache_dir(uv: str, env: dict[str, str]) -> Path:
     return Path(out.stdout.strip())
 
 
+class CacheError(RuntimeError):
+    """uv's cache could not be cleaned; the message names why and the fix."""
+
+
 def refresh_cache(
-    uv: str, distribution: str, key: dict[str, str | None], env: dict[str, str]
+    uv: str, distribution: str, key: dict[str, str | None], env: dict[str, str], extra: str = ""
 ) -> str:
-    """Drop ``distribution``'s cached builds if ``key`` differs from the last build's.
+    """Drop ``distribution``'s cached builds if ``key`` differs from the last build of ``extra``.
 
     Returns what happened: "first" (no key yet), "unchanged", or "changed" (cache cleaned). The
     key is stored in uv's cache directory, so it lives and dies with the builds it describes (an
-    image build's cache mount, a host's ~/.cache/uv).
+    image build's cache mount, a host's ~/.cache/uv), one per extra: DeepEP v1, HybridEP and
+    DeepEP v2's variant are all ``deep-ep`` (other commits, other inputs), and one record for
+    all would see a change at every switch and rebuild each of them every time.
     """
     cache = uv_cache_dir(uv, env)
-    record = cache / f"{KEY_PREFIX}{distribution}.json"
+    record = cache / f"{KEY_PREFIX}{distribution}{f'-{extra}' if extra else ''}.json"
     digest = key_digest(key)
     previous = None
     if record.is_file():
@@ -174,7 +210,18 @@ def refresh_cache(
             previous = "unreadable"
     state = "first" if previous is None else ("unchanged" if previous == digest else "changed")
     if state == "changed":
-        subprocess.run([uv, "cache", "clean", distribution], env=env, check=True, timeout=600)
+        clean = subprocess.run(
+            [uv, "cache", "clean", distribution], env=env, capture_output=True, text=True,
+            timeout=900, check=False,
+        )  # fmt: skip
+        if clean.returncode != 0:
+            raise CacheError(
+                f"the build inputs of {distribution} changed since its last build, and "
+                f"`uv cache clean {distribution}` failed ({clean.stderr.strip()[-300:]}): uv "
+                "waits for other uv processes that use this cache (e.g. a `uv run` this runs "
+                "under) and gives up after UV_LOCK_TIMEOUT. Fix: run it outside `uv run`, or "
+                "with its own UV_CACHE_DIR"
+            )
     cache.mkdir(parents=True, exist_ok=True)
     temp = record.with_suffix(f".tmp{os.getpid()}")
     temp.write_text(json.dumps({"sha256": digest, "key": key}, indent=2, sort_keys=True) + "\n")

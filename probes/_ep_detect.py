@@ -29,6 +29,7 @@ from _report import Status, one_line
 # backend venvs hold only the lock's packages, so it is reached by path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ep_image import abi
 from ep_image import backends as registry
 
 MODULE = registry.MODULE
@@ -103,10 +104,7 @@ def provenance(
 
 def backend_from_layout(package_dir: Path) -> str | None:
     """The backend whose marker file ``package_dir`` (a ``deep_ep`` directory) contains."""
-    for backend, marker in MARKERS:
-        if (package_dir / marker).is_file():
-            return backend
-    return None
+    return registry.layout_backend(package_dir)
 
 
 def backend_from_distribution(name: str, version: str) -> str | None:
@@ -259,6 +257,16 @@ def run_time_hint(detail: str) -> str:
     return next((hint for phrase, hint in RUN_TIME_HINTS if phrase in detail), "")
 
 
+def undefined_symbol(output: str) -> str | None:
+    """The symbol of the dynamic loader's "undefined symbol: NAME" in ``output``, if any."""
+    marker = "undefined symbol: "
+    at = output.find(marker)
+    if at < 0:
+        return None
+    rest = output[at + len(marker) :].split()
+    return rest[0].rstrip(",;)") if rest else None
+
+
 def classify_import_failure(
     backend: str, output: str, returncode: int, gpu_visible: bool
 ) -> tuple[Status, str, str]:
@@ -277,6 +285,18 @@ def classify_import_failure(
             "check (two libnccl loaded, or a different one than it was linked against). " + NCCL_FIX
         )
         return Status.ERROR, detail, hint
+    symbol = undefined_symbol(text)
+    if symbol and abi.symbol_origin(symbol) == "torch":
+        torch = (_facts.dist_version("torch") or ("torch", "unknown"))[1]
+        return (
+            Status.ERROR,
+            f"import {MODULE} failed: {last}",
+            f"the backend's extension was built against another torch than this venv's torch "
+            f"{torch} (it needs {symbol}, which this torch does not export): reinstalling the "
+            "same build cannot help. Build it from source against this torch (scripts/"
+            "make_venv.py does, and refuses such a venv: ep_image/abi.py), or install a build "
+            "that declares this torch in its requirements",
+        )
     if "ncclCommQueryProperties" in text or ("undefined symbol" in text and "nccl" in text.lower()):
         return Status.ERROR, f"import {MODULE} failed: {last}", NCCL_FIX
     if "Duplicate NCCL runtime" in text or "Invalid NCCL versions" in text:

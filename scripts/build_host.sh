@@ -13,6 +13,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 prefix=${EP_PREFIX:-}
 backends=${EP_BACKENDS:-all}
 venv_python=
+project=
 read_only=--read-only
 activate=
 te_args=
@@ -20,7 +21,7 @@ te_args=
 usage() {
     cat <<EOF
 usage: build_host.sh --prefix DIR [--backends LIST] [--te-wheel PATH]... [--python PY]
-                     [--no-read-only] [--activate BACKEND]
+                     [--project DIR] [--no-read-only] [--activate BACKEND]
 
 Build EP backend venvs under DIR (one per backend, from the committed uv.lock), then hardlink
 identical files across them, so all of them cost about as much disk as one.
@@ -31,6 +32,7 @@ identical files across them, so all of them cost about as much disk as one.
                       (default: \$EP_BACKENDS or all); a backend that fails does not stop the others
   --te-wheel PATH     Transformer Engine wheel from scripts/build_te.py, put in every venv
   --python PY         interpreter for the venvs (uv venv --python; uv may download one)
+  --project DIR       the pyproject.toml + uv.lock to build from (default: this repository)
   --no-read-only      keep write bits on shared files (default: dedup --read-only, so an
                       in-place write into one venv fails instead of changing all of them;
                       see docs/host-mode.md)
@@ -49,6 +51,7 @@ while [ $# -gt 0 ]; do
         --backends) backends=${2:?--backends needs LIST}; shift 2 ;;
         --te-wheel) te_args="$te_args --te-wheel=${2:?--te-wheel needs PATH}"; shift 2 ;;
         --python) venv_python=${2:?--python needs PY}; shift 2 ;;
+        --project) project=${2:?--project needs DIR}; shift 2 ;;
         --read-only) read_only=--read-only; shift ;;
         --no-read-only) read_only=; shift ;;
         --activate) activate=${2:?--activate needs BACKEND}; shift 2 ;;
@@ -84,7 +87,7 @@ export UV_LINK_MODE
 status=0
 # shellcheck disable=SC2086  # te_args is a list of --te-wheel=PATH words
 py "$here/make_venv.py" --backend "$backends" --prefix "$prefix" --keep-going \
-    ${venv_python:+--python "$venv_python"} $te_args || status=$?
+    ${venv_python:+--python "$venv_python"} ${project:+--project "$project"} $te_args || status=$?
 
 venvs=$(EP_PREFIX=$prefix "$here/use-ep" --list)
 count=$(printf '%s\n' "$venvs" | grep -c . || true)

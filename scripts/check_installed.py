@@ -4,9 +4,10 @@
 `uv sync` succeeding only proves that files landed. Before the GPU probes run (probes/check_ep.py
 proves that a backend works), this check catches the cheap failures on any machine, GPU or not:
 the wrong distribution providing `deep_ep`, two of them at once, a missing identifying file,
-or a compiled extension whose shared libraries the dynamic loader would not find (asked in
-trace mode, as `ldd` does: scripts/ld_trace.py). It never imports `deep_ep` (that needs a GPU
-driver), so it runs on CPU-only CI and build hosts.
+a compiled extension whose shared libraries the dynamic loader would not find (asked in
+trace mode, as `ldd` does: ep_image/ld_trace.py), or one that needs symbols those libraries do
+not export, e.g. built against another torch (bound by the loader: ep_image/abi.py). It never
+imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
 
     python scripts/check_installed.py --venv /opt/venvs/deepep_v2 --backend deepep_v2 [--json PATH]
 """
@@ -19,10 +20,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import ep_backends  # sibling modules: scripts/ is not a package
-import ld_trace  # also puts the repository root (ep_image) on sys.path
+import ep_backends  # sibling module: scripts/ is not a package; also puts ep_image on sys.path
 
-from ep_image import project
+from ep_image import abi, ld_trace, project
 
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
@@ -43,6 +43,7 @@ class Report:
     marker: str = ""
     extensions: dict[str, dict[str, str | None]] = field(default_factory=dict)
     ld_library_path: str = ""  # the environment the loader was asked in
+    abi: list[dict[str, object]] = field(default_factory=list)  # symbols bound, per extension
     problems: list[str] = field(default_factory=list)
 
 
@@ -74,20 +75,6 @@ def installed_distributions(site: Path) -> dict[str, str]:
     return dists
 
 
-def torch_first(site: Path) -> list[str]:
-    """The objects `import torch` maps, which a torch extension then reuses by soname.
-
-    deep_ep (every backend) imports torch before its extension module, so its ``libc10.so``,
-    ``libtorch.so``, NCCL, ... are the ones torch loaded: torch's extension module and its
-    global-deps library, traced by the loader in this environment.
-    """
-    modules = sorted(site.glob("torch/_C.*.so"))
-    if not modules:
-        return []
-    global_deps = [str(p) for p in site.glob("torch/lib/libtorch_global_deps.so")]
-    return ld_trace.closure(modules[0], global_deps)
-
-
 def resolve_extensions(site: Path, report: Report) -> None:
     """Ask the dynamic loader where each library a deep_ep extension needs comes from.
 
@@ -104,7 +91,7 @@ def resolve_extensions(site: Path, report: Report) -> None:
         report.problems.append("no compiled deep_ep extension (*.so) found: the build did not land")
         return
     report.ld_library_path = os.environ.get("LD_LIBRARY_PATH", "")
-    preload = torch_first(site)
+    preload = ld_trace.torch_first(site)
     for ext in extensions:
         direct, deeper = ld_trace.resolve(ext, preload)
         resolved: dict[str, str | None] = {}
@@ -129,6 +116,21 @@ def resolve_extensions(site: Path, report: Report) -> None:
         report.extensions[ext.name] = resolved
 
 
+#: Distributions whose compiled code must bind to the venv's torch besides the backend's.
+TE_DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu13")
+
+
+def check_symbols(venv: Path, site: Path, distributions: list[str], report: Report) -> None:
+    """Bind every symbol the extensions of ``distributions`` (what ships ``deep_ep`` here) and
+    TE's need, as importing them would (ep_image/abi.py): a library that is found can still lack
+    the symbol an extension built against another version needs."""
+    python = venv / "bin" / "python"
+    results = abi.check(site, python, [*distributions, *TE_DISTRIBUTIONS])
+    report.abi = [r.to_json() for r in results]
+    for result in results:  # libraries not found are already problems (resolve_extensions)
+        report.problems += result.problems(abi.torch_version(site), strict=False)
+
+
 def check(venv: Path, backend: str) -> Report:
     """Inspect one venv for one backend without importing anything from it."""
     report = Report(venv=str(venv), backend=backend)
@@ -137,7 +139,7 @@ def check(venv: Path, backend: str) -> Report:
     dists = installed_distributions(site)
     registry = ep_backends.load_registry()
     wanted = registry[backend]
-    shippers = {b.distribution for b in registry.values()}
+    shippers = {ep_backends.normalize(d) for d in ep_backends.known_distributions()}
     present = {d: dists[d] for d in sorted(shippers) if d in dists}
     report.distributions = present
     if wanted.distribution not in present:
@@ -157,6 +159,7 @@ def check(venv: Path, backend: str) -> Report:
             f"{wanted.marker_file} missing: deep_ep here is not {backend}'s layout"
         )
     resolve_extensions(site, report)
+    check_symbols(venv, site, [*present, wanted.distribution], report)
     report.status = "problems found" if report.problems else "installed, not yet proven to work"
     return report
 
@@ -168,6 +171,11 @@ def print_report(report: Report) -> None:
     for ext, libs in report.extensions.items():
         for lib, where in libs.items():
             print(f"  {ext:<40} {lib:<28} {where or 'NOT FOUND'}")
+    for result in report.abi:
+        name = Path(str(result["extension"])).name
+        verdict = "symbols bind" if result["ok"] else "symbols DO NOT bind"
+        driver = "" if result["driver"] == "real" else f" (GPU driver: {result['driver']})"
+        print(f"  {name:<40} {verdict}{driver}")
     for problem in report.problems:
         print(f"  PROBLEM   {problem}")
 

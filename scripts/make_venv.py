@@ -55,8 +55,8 @@ from pathlib import Path
 # The repository root (or /opt/ep-image in the image), where the ep_image package sits.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ep_image import abi, nvshmem, source_build, tools
 from ep_image import backends as ep_backends
-from ep_image import nvshmem, source_build, tools
 from ep_image.project import SKELETON_RECORD as SKELETON_FILE
 from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import VenvError, sha256_file, write_json
@@ -65,6 +65,8 @@ from ep_image.project import site_packages as site_packages_of
 SKELETONS_RECORD = "venvs-common.json"  # the --skeleton run: which, from what, deduplicated
 HERE = Path(__file__).resolve().parent
 TE_DISTRIBUTION = "transformer-engine"
+#: What a TE build may install besides TE itself (its framework and core wheels).
+TE_DISTRIBUTIONS = (TE_DISTRIBUTION, "transformer-engine-torch", "transformer-engine-cu13")
 TE_EXTRA = "te"  # TE's runtime dependencies and cuDNN, from the lock
 EXIT_BUILD_FAILED = 1
 EXIT_USAGE = 2
@@ -259,8 +261,11 @@ def sync_backend(
     skipped = any(
         ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
     )
-    builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and not skipped
-    if backend.git and not skipped:  # a git source is compiled
+    # A git source is compiled here: NVSHMEM set-up and checks where the registry says so (a
+    # prebuilt wheel, in a fork or a test project, brings its own runpath; the ABI check binds it).
+    compiled = bool(backend.git) and not skipped
+    builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and compiled
+    if compiled:
         env.update(prepare_source_build(uv, venv, backend, project, env))
     try:
         if not builds_nvshmem:
@@ -301,19 +306,22 @@ def prepare_source_build(
         if ep_backends.spec(backend.name).reads_build_variables
         else {}
     )
-    problems = source_build.preflight(variables, env)
+    needs_nvshmem = ep_backends.NVSHMEM in backend.build_needs
+    problems = source_build.preflight(variables, env, nvshmem=needs_nvshmem)
     if problems:
         raise BuildError(f"{backend.name} cannot be built here:\n  - " + "\n  - ".join(problems))
-    extra: dict[str, str] = {}
-    if source_build.multinode_doca(variables):
-        # Inside the temporary venv, which is renamed into place: removed after the build.
-        extra.update(source_build.nvml_stub(env, venv / source_build.SCRATCH))
+    # Inside the temporary venv, which is renamed into place: removed after the build.
+    links = source_build.driver_links(variables)
+    extra = source_build.link_stubs(env, venv / source_build.SCRATCH, links)
     key = source_build.build_key({**env, **extra}, variables)
-    state = source_build.refresh_cache(uv, backend.distribution, key, env)
+    try:
+        state = source_build.refresh_cache(uv, backend.distribution, key, env, backend.extra)
+    except source_build.CacheError as exc:
+        raise BuildError(f"{backend.name}: {exc}") from None
     print(
         f"make_venv: {backend.name}: build key {source_build.key_digest(key)[:12]} ({state}"
         + ("; its cached builds dropped" if state == "changed" else "")
-        + f"){', NVML stub on LIBRARY_PATH' if extra else ''}",
+        + f"){', driver stubs on LIBRARY_PATH' if extra else ''}",
         flush=True,
     )
     return extra
@@ -394,10 +402,12 @@ def verify_backend(
     if ep_backends.normalize(backend.distribution) not in names:
         return False
     marker = site_packages(venv) / backend.marker_file
-    if not marker.is_file():
+    layout = ep_backends.layout_backend(site_packages(venv) / ep_backends.MODULE)
+    if not marker.is_file() or layout != backend.name:
         raise BuildError(
-            f"{backend.name}: {backend.distribution} is installed but {marker} is missing: "
-            "its deep_ep is not the layout this backend expects (check the pin in pyproject.toml)"
+            f"{backend.name}: {backend.distribution} is installed but its deep_ep is "
+            f"{f'the {layout} layout' if layout else 'no known layout'}, not {backend.name}'s "
+            f"({backend.marker_file}): check the pin in pyproject.toml"
         )
     return True
 
@@ -414,6 +424,37 @@ def assert_relocated(venv: Path, temp_name: str) -> None:
             f"files in the venv embed its temporary path {temp_name}: {offenders}; "
             "this uv does not honour relocatable venvs for them (upgrade uv)"
         )
+
+
+def check_abi(venv: Path, distributions: list[str], strict: bool) -> list[dict[str, object]]:
+    """Bind every compiled extension of ``distributions`` to the venv's own torch, NCCL, ...
+    (ep_image/abi.py); a BuildError names the first symbol that does not bind and the fix.
+    ``strict``: a library not found fails too (off for a venv that leaves packages out).
+
+    Why here: a venv whose backend was built against another torch installs cleanly and fails
+    at import on every GPU node; this refuses it before it is moved into place.
+    """
+    site = site_packages(venv)
+    try:
+        results = abi.check(site, venv / "bin" / "python", distributions)
+    except abi.ld_trace.LoaderError as exc:
+        raise BuildError(f"the ABI check could not run: {exc}") from None
+    version = abi.torch_version(site)
+    problems = [line for r in results for line in r.problems(version, strict)]
+    for result in results:
+        ext = Path(result.extension).name
+        state = "ok" if result.ok else "FAILS"
+        notes = {
+            "stub": ["driver symbols against the CUDA toolkit's stub"],
+            "absent": ["driver symbols not checked (no driver or toolkit stub here)"],
+        }.get(result.driver, [])
+        if not result.complete:
+            notes.append(f"not found, so not checked: {', '.join(result.not_found)}")
+        detail = f" ({'; '.join(notes)})" if notes else ""
+        print(f"make_venv: ABI {state}: {ext} binds to this venv's libraries{detail}", flush=True)
+    if problems:
+        raise BuildError("\n  - ".join(["the venv would not import:", *problems]))
+    return [r.to_json() for r in results]
 
 
 def uv_version(uv: str) -> str:
@@ -516,12 +557,15 @@ def build_one(uv: str, name: str, opts: Options, skeleton: bool = False) -> Path
         dedup = dedup_venvs(temp) if opts.dedup and not skeleton else None
         installed = installed_distributions(uv, temp)
         present = verify_backend(temp, backend, installed)
+        checked = [*TE_DISTRIBUTIONS, *([] if skeleton else [backend.distribution])]
+        abi_results = check_abi(temp, checked, strict=not opts.no_install_packages)
         assert_relocated(temp, temp.name)
         info = build_info(
             uv, temp, backend, opts, installed, present, nvshmem_build,
             skipped=[TE_DISTRIBUTION, *skip],
         )  # fmt: skip
         info["dedup"] = dedup
+        info["abi"] = abi_results
         write_json(temp / (SKELETON_FILE if skeleton else INFO_FILE), info)
         final = opts.prefix / name
         move_into_place(temp, final)
@@ -586,10 +630,12 @@ def complete_one(uv: str, name: str, opts: Options) -> Path:
         compile_bytecode(venv, [venv / r for r in sorted(new)])
     installed = installed_distributions(uv, venv)
     present = verify_backend(venv, backend, installed)
+    abi_results = check_abi(venv, [backend.distribution], strict=not opts.no_install_packages)
     info = build_info(uv, venv, backend, opts, installed, present, nvshmem_build)
     info["te_wheels"] = skeleton.get("te_wheels", [])
     info["dedup"] = None
     info["completed_from_skeleton"] = skeleton.get("created")
+    info["abi"] = abi_results
     write_json(venv / INFO_FILE, info)
     (venv / SKELETON_FILE).unlink()
     print_summary(venv, info)

@@ -50,8 +50,8 @@ def install(venv: Path, *args: str, **env: str) -> None:
     uv("pip", "install", "-q", "--python", str(venv / "bin" / "python"), *args, env=copy_env(**env))
 
 
-def build_wheel(outdir: Path, name: str, version: str, files: dict[str, str]) -> Path:
-    """A minimal, valid, pure-Python wheel holding ``files`` (path -> text)."""
+def build_wheel(outdir: Path, name: str, version: str, files: dict[str, str | bytes]) -> Path:
+    """A minimal, valid wheel holding ``files`` (path -> text or bytes), tagged py3-none-any."""
     dist = f"{name}-{version}.dist-info"
     content = dict(files)
     content[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
@@ -60,9 +60,10 @@ def build_wheel(outdir: Path, name: str, version: str, files: dict[str, str]) ->
     )
     record = []
     for path, text in content.items():
-        digest = hashlib.sha256(text.encode()).digest()
+        data = text.encode() if isinstance(text, str) else text
+        digest = hashlib.sha256(data).digest()
         b64 = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-        record.append(f"{path},sha256={b64},{len(text.encode())}")
+        record.append(f"{path},sha256={b64},{len(data)}")
     record.append(f"{dist}/RECORD,,")
     content[f"{dist}/RECORD"] = "\n".join(record) + "\n"
     outdir.mkdir(parents=True, exist_ok=True)

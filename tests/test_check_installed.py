@@ -14,8 +14,9 @@ import subprocess
 from pathlib import Path
 
 import check_installed
-import ld_trace
 import pytest
+
+from ep_image import ld_trace
 
 EXT = "deep_ep_cpp.cpython-311-x86_64-linux-gnu.so"
 

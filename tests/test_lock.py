@@ -16,10 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from ep_image import backends
+
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("deepep_v1", "deepep_v2", "hybridep")
 # The distribution that provides `deep_ep` for each backend (README's backend table).
-BACKEND_DIST = {"deepep_v1": "tokenspeed-deepep", "deepep_v2": "sgl-deep-ep", "hybridep": "deep-ep"}
+BACKEND_DIST = {"deepep_v1": "deep-ep", "deepep_v2": "sgl-deep-ep", "hybridep": "deep-ep"}
+#: Backends installed from a registry wheel (the others are built from git).
+REGISTRY_BACKENDS = [s.name for s in backends.SPECS if not s.builds_from_source]
 
 
 def uv(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -114,7 +118,7 @@ def test_source_built_packages_are_pinned_to_full_commits(lock: dict) -> None:
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12"])
-@pytest.mark.parametrize("backend", ["deepep_v1", "deepep_v2"])
+@pytest.mark.parametrize("backend", REGISTRY_BACKENDS)
 def test_lock_has_wheels_for_both_pythons(lock: dict, backend: str, python: str) -> None:
     """A registry backend must have a wheel for the build host's and the image's Python."""
     tag = "cp" + python.replace(".", "")
@@ -164,7 +168,7 @@ def test_two_backends_fail_with_the_conflict_error(
 
 
 def test_each_extra_gets_its_own_commit_of_deep_ep() -> None:
-    """One git package, two commits: uv resolves each extra to its own (real uv, the lock)."""
+    """One git package, three commits: uv resolves each extra to its own (real uv, the lock)."""
 
     def export(*extras: str) -> subprocess.CompletedProcess[str]:
         args = [a for e in extras for a in ("--extra", e)]
@@ -177,8 +181,15 @@ def test_each_extra_gets_its_own_commit_of_deep_ep() -> None:
     assert pinned.returncode == 0, pinned.stderr
     assert "DeepEP@af9a0403188392824fc3057452822235873e0612" in pinned.stdout
     assert "nvidia-nccl-cu13==2.30.7" in pinned.stdout and "sgl-deep-ep" not in pinned.stdout
-    hybrid = export("hybridep")
-    assert "DeepEP@e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8" in hybrid.stdout
+    commits = {
+        "deepep_v1": "567632dd59810d77b3cc05553df953cc0f779799",
+        "hybridep": "e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8",
+        "deepep_v2_pinned": "af9a0403188392824fc3057452822235873e0612",
+    }
+    for extra, commit in commits.items():
+        out = export(extra).stdout
+        assert f"DeepEP@{commit}" in out, (extra, out)
+        assert [c for c in commits.values() if f"DeepEP@{c}" in out] == [commit], extra
     for pair in (("deepep_v2", "deepep_v2_pinned"), ("moe", "deepep_v2_pinned")):
         refused = export(*pair)
         assert refused.returncode != 0 and "incompatible" in refused.stderr, pair

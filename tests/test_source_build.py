@@ -25,16 +25,16 @@ NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
 
 
 def fake_cuda(root: Path, stub: bool = True, release: str = "13.0") -> Path:
-    """A CUDA home with an nvcc that prints its release, and (``stub``) the NVML stub."""
+    """A CUDA home with an nvcc that prints its release, and (``stub``) the driver stubs."""
     (root / "bin").mkdir(parents=True)
     nvcc = root / "bin" / "nvcc"
     nvcc.write_text(NVCC.replace("13.0", release))
     nvcc.chmod(0o755)
     if stub:
-        (root / "lib64" / "stubs").mkdir(parents=True)
-        compile_shared(
-            root / "lib64" / "stubs" / "libnvidia-ml.so", "int nvmlInit_v2(void){return 0;}"
-        )
+        stubs = root / "lib64" / "stubs"
+        stubs.mkdir(parents=True)
+        compile_shared(stubs / "libnvidia-ml.so", "int nvmlInit_v2(void){return 0;}")
+        compile_shared(stubs / "libcuda.so", "int cuInit(unsigned f){return 0;}")
     return root
 
 
@@ -78,37 +78,45 @@ def test_preflight_names_missing_rdma_headers_and_nvcc(tmp_path: Path) -> None:
     problems = source_build.preflight(variables, {"CUDA_HOME": str(tmp_path / "none")})
     assert any("no nvcc" in p and "CUDA_HOME" in p for p in problems), problems
     assert any("libnvidia-ml.so.1" in p for p in problems), problems
-    # Without the multi-node variables there is nothing of this build's own to check.
-    assert source_build.preflight({}, {"CUDA_HOME": str(tmp_path / "none")}) == []
+    assert any("links libcuda.so" in p and "stubs" in p for p in problems), problems
+    # Without the multi-node variables (DeepEP v1, v2): nvcc and -lcuda only.
+    assert source_build.preflight({}, {"CUDA_HOME": str(cuda)}) == []
+    problems = source_build.preflight({}, {"CUDA_HOME": str(tmp_path / "none")})
+    assert len(problems) == 2 and "no nvcc" in problems[0] and "libcuda.so" in problems[1]
 
 
-def test_the_nvml_stub_lets_the_linker_resolve_libnvidia_ml_so_1(tmp_path: Path) -> None:
-    """What setup.py's ``-l:libnvidia-ml.so.1`` needs: without the stub link the real linker
-    fails; with the LIBRARY_PATH nvml_stub returns it links, and the result names .so.1."""
+def test_the_driver_stubs_let_the_linker_resolve_lcuda_and_libnvidia_ml_so_1(
+    tmp_path: Path,
+) -> None:
+    """What setup.py's ``-lcuda`` and ``-l:libnvidia-ml.so.1`` need on a machine without a
+    driver: without the stub links the real linker fails; with the LIBRARY_PATH link_stubs
+    returns it links, and the result names the driver's sonames' files."""
     cuda = fake_cuda(tmp_path / "cuda")
     env = {"CUDA_HOME": str(cuda), "LIBRARY_PATH": ""}
-    source = "int nvmlInit_v2(void); int probe(void){return nvmlInit_v2();}"
+    source = "int nvmlInit_v2(void); int cuInit(unsigned);"
+    source += "int probe(void){return nvmlInit_v2() + cuInit(0);}"
+    flags = ("-l:libnvidia-ml.so.1", "-lcuda", "-Wl,-z,defs")
     with pytest.raises(subprocess.CalledProcessError):
-        compile_shared(tmp_path / "without.so", source, "-l:libnvidia-ml.so.1", "-Wl,-z,defs")
-    extra = source_build.nvml_stub(env, tmp_path / "scratch")
+        compile_shared(tmp_path / "without.so", source, *flags)
+    names = source_build.driver_links(MULTINODE)
+    assert names == (source_build.CUDA_LINK, source_build.NVML)
+    assert source_build.driver_links({}) == (source_build.CUDA_LINK,)
+    extra = source_build.link_stubs(env, tmp_path / "scratch", names)
     assert extra["LIBRARY_PATH"].split(os.pathsep)[0] == str(tmp_path / "scratch")
     gcc_env = {**os.environ, **extra}
     src = tmp_path / "with.c"
     src.write_text(source + "\n")
     subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "with.so"), str(src),
-         "-l:libnvidia-ml.so.1", "-Wl,-z,defs"],
+        ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "with.so"), str(src), *flags],
         check=True, env=gcc_env,
     )  # fmt: skip
     dynamic = subprocess.run(
         ["readelf", "-d", str(tmp_path / "with.so")], capture_output=True, text=True, check=True
     ).stdout
-    assert "[libnvidia-ml.so.1]" in dynamic
-    # A driver's library already on the link path: no stub.
-    assert (
-        source_build.nvml_stub({**env, "LIBRARY_PATH": str(tmp_path / "scratch")}, tmp_path / "x")
-        == {}
-    )
+    assert "[libnvidia-ml.so.1]" in dynamic and "[libcuda.so]" in dynamic
+    # The driver's libraries already on the link path: no stub.
+    on_path = {**env, "LIBRARY_PATH": str(tmp_path / "scratch")}
+    assert source_build.link_stubs(on_path, tmp_path / "x", names) == {}
 
 
 def test_build_key_follows_the_arch_list_and_the_nvcc_release(tmp_path: Path) -> None:

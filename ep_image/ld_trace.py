@@ -23,13 +23,9 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-# The repository root (or /opt/ep-image in the image), where the ep_image package sits.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ep_image import elf
 
@@ -95,6 +91,20 @@ def trace(path: Path, preload: Sequence[str] = (), env: dict[str, str] | None = 
 def closure(path: Path, preload: Sequence[str] = ()) -> list[str]:
     """Every object the loader maps for ``path`` (itself included): what importing it loads."""
     return [p for p in trace(path, preload).loaded if os.path.exists(p)]
+
+
+def torch_first(site: Path) -> list[str]:
+    """The objects `import torch` maps, which a torch extension then reuses by soname.
+
+    Every backend's ``deep_ep`` (and TE) imports torch before its extension module, so its
+    ``libc10.so``, ``libtorch.so``, NCCL, ... are the ones torch loaded: torch's extension
+    module and its global-deps library, traced by the loader in this environment.
+    """
+    modules = sorted(site.glob("torch/_C.*.so"))
+    if not modules:
+        return []
+    global_deps = [str(p) for p in site.glob("torch/lib/libtorch_global_deps.so")]
+    return closure(modules[0], global_deps)
 
 
 def resolve(path: Path, preload: Sequence[str] = ()) -> tuple[dict[str, str | None], list[str]]:

@@ -1,0 +1,264 @@
+"""Does a venv's compiled code bind to the torch, NCCL, ... that venv holds? Symbols, not files.
+
+Why: a wheel built against another torch installs cleanly, its libraries are all found, and it
+fails at ``import`` with an undefined symbol (tokenspeed-deepep 1.2.1 on torch 2.14.1:
+``c10::impl::cow::materialize_cow_storage``). The loader itself answers the question without a
+GPU and without running any code: in trace mode with ``LD_BIND_NOW`` it binds every symbol of
+every object it maps and prints each one it cannot. The objects are mapped as ``import`` maps
+them: the venv's python (whose ``Py*`` symbols extensions use), torch's libraries first, then
+the extension. Where the GPU driver is absent (a build host), the CUDA toolkit's stubs stand in
+for ``libcuda.so.1`` and ``libnvidia-ml.so.1``. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ep_image import ld_trace
+
+#: Provided by the GPU driver at run time, never by a venv; a toolkit stub may stand in.
+DRIVER_LIBS = {"libcuda.so.1": "libcuda.so", "libnvidia-ml.so.1": "libnvidia-ml.so"}
+#: torch's C++ namespaces, as they start a mangled name (``_ZN3c10``, ``_ZNK2at``, ``_ZTVN5torch``).
+TORCH_NAMESPACES = frozenset({"c10", "at", "torch", "caffe2"})
+_MANGLED_NAMESPACE = re.compile(r"^_Z(?:T[VIST])?N?[rVKRO]*(\d+)")
+_UNDEFINED = re.compile(r"undefined symbol: (?P<symbol>\S+)\s+\((?P<object>[^)]+)\)")
+_VERSION = re.compile(
+    r"version [`'](?P<version>[^`']+)' not found \(required by (?P<object>[^)]+)\)"
+)
+
+
+@dataclass(frozen=True)
+class Unresolved:
+    """A symbol an object needs and no mapped library exports."""
+
+    symbol: str
+    needed_by: str
+    origin: str  # "torch" (its C++ namespaces), "driver" (cu*/nvml*), or "other"
+    demangled: str = ""
+
+
+@dataclass
+class ExtensionAbi:
+    """The loader's verdict on one compiled extension in its venv."""
+
+    extension: str
+    unresolved: list[Unresolved] = field(default_factory=list)
+    version_errors: list[str] = field(default_factory=list)
+    not_found: list[str] = field(default_factory=list)  # libraries, driver ones left out
+    stand_ins: dict[str, str] = field(default_factory=dict)  # driver soname -> stub used
+    driver: str = "real"  # "real", "stub" or "absent": how libcuda.so.1 was mapped
+
+    @property
+    def complete(self) -> bool:
+        """Every library but the driver's was found, so every symbol could be judged."""
+        return not self.not_found
+
+    @property
+    def failures(self) -> list[Unresolved]:
+        """Unresolved symbols that fail the import for sure. torch's always (its libraries are
+        all there); others only when every library was found (a missing one may export them,
+        e.g. in a venv that leaves packages out); the driver's only against the real driver."""
+        return [
+            u
+            for u in self.unresolved
+            if u.origin == "torch"
+            or (u.origin == "other" and self.complete)
+            or (u.origin == "driver" and self.driver == "real")
+        ]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing that was judged fails to bind (libraries not found are ``complete``'s)."""
+        return not (self.failures or self.version_errors)
+
+    def problems(self, torch_version: str | None, strict: bool = True) -> list[str]:
+        """One line per failure, each naming the symbol and the fix; with ``strict``, also each
+        library not found (a venv that leaves packages out passes ``strict=False``)."""
+        lines = []
+        name = Path(self.extension).name
+        torch_ones = [u for u in self.failures if u.origin == "torch"]
+        if torch_ones:
+            first = torch_ones[0]
+            lines.append(
+                f"{name} was built against another torch: it needs {len(torch_ones)} symbol(s) "
+                f"that this venv's torch {torch_version or '(version unknown)'} does not export, "
+                f"e.g. {first.demangled or first.symbol} ({first.symbol}). Fix: build it from "
+                "source against this venv's torch, or pin a wheel built for this torch "
+                "(one that declares it in its requirements)"
+            )
+        others = [u for u in self.failures if u.origin != "torch"]
+        if others:
+            by = sorted({Path(u.needed_by).name for u in others})
+            lines.append(
+                f"{name}: {', '.join(by)} need(s) {len(others)} symbol(s) that no library in "
+                f"this venv exports, e.g. {others[0].symbol} (needed by "
+                f"{Path(others[0].needed_by).name}): built against other versions of its "
+                "libraries (e.g. NCCL, NVSHMEM, the CUDA runtime). Fix: pin the versions it was "
+                "built for, or rebuild it against this venv's"
+            )
+        lines += [f"{name}: {error}. Fix: a build for this system's libraries" for error in
+                  self.version_errors]  # fmt: skip
+        if strict:
+            lines += [
+                f"{name}: {lib} is not found by the dynamic loader, so its symbols cannot bind. "
+                "Fix: install the package that ships it"
+                for lib in self.not_found
+            ]
+        return lines
+
+    def to_json(self) -> dict[str, object]:
+        data = asdict(self)
+        data["ok"], data["complete"] = self.ok, self.complete
+        return data
+
+
+def symbol_origin(symbol: str) -> str:
+    """Where a symbol comes from, judged by its name: torch's C++ namespaces, the driver's C API
+    (``cu*``, ``nvml*``), or elsewhere."""
+    match = _MANGLED_NAMESPACE.match(symbol)
+    if match:
+        length = int(match.group(1))
+        start = match.end()
+        if symbol[start : start + length] in TORCH_NAMESPACES:
+            return "torch"
+    if re.match(r"^(cu[A-Z]|nvml[A-Z])", symbol):
+        return "driver"
+    return "other"
+
+
+def demangle(symbols: list[str]) -> dict[str, str]:
+    """C++ names for mangled ``symbols`` through binutils' ``c++filt``, where it is installed."""
+    tool = shutil.which("c++filt")
+    mangled = [s for s in symbols if s.startswith("_Z")]
+    if not tool or not mangled:
+        return {}
+    proc = subprocess.run(
+        [tool], input="\n".join(mangled), capture_output=True, text=True, check=False
+    )
+    names = proc.stdout.splitlines()
+    return dict(zip(mangled, names, strict=False)) if proc.returncode == 0 else {}
+
+
+def driver_stubs(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The CUDA toolkit's stubs of the driver libraries (soname -> path), for a host without a
+    driver: they export the driver API of that toolkit, so symbols can still be bound."""
+    environ = os.environ if env is None else env
+    home = Path(environ.get("CUDA_HOME") or "/usr/local/cuda")
+    dirs = [home / "lib64" / "stubs", *sorted(home.glob("targets/*/lib/stubs"))]
+    stubs = {}
+    for soname, stub in DRIVER_LIBS.items():
+        found = next((d / stub for d in dirs if (d / stub).is_file()), None)
+        if found is not None:
+            stubs[soname] = str(found)
+    return stubs
+
+
+def bind(
+    extension: Path, python: Path, preload: list[str], env: dict[str, str] | None = None
+) -> ExtensionAbi:
+    """Map ``extension`` as importing it would (``preload`` first, under ``python``) and bind
+    every symbol; what could not be bound is the result."""
+    result = ExtensionAbi(extension=str(extension))
+    found, missing = ld_trace.resolve(extension, preload)
+    absent = {lib for lib, where in found.items() if where is None} | set(missing)
+    stubs = driver_stubs(env)
+    stand_ins = [lib for lib in DRIVER_LIBS if lib in absent and lib in stubs]
+    result.stand_ins = {lib: stubs[lib] for lib in stand_ins}
+    result.not_found = sorted(absent - set(DRIVER_LIBS))
+    if "libcuda.so.1" in absent:
+        result.driver = "stub" if "libcuda.so.1" in stubs else "absent"
+    environment = {
+        **(os.environ if env is None else env),
+        "LD_TRACE_LOADED_OBJECTS": "1",
+        "LD_BIND_NOW": "1",
+        "LD_WARN": "1",
+        "LD_PRELOAD": " ".join([*result.stand_ins.values(), *preload, str(extension)]),
+    }
+    proc = subprocess.run(
+        [ld_trace.loader(), str(python)], capture_output=True, text=True, env=environment,
+        check=False,
+    )  # fmt: skip
+    output = proc.stdout + "\n" + proc.stderr
+    if proc.returncode != 0 and "undefined symbol" not in output:
+        raise ld_trace.LoaderError(
+            f"the loader cannot bind {extension}: {output.strip() or proc.returncode}"
+        )
+    seen: set[tuple[str, str]] = set()
+    for line in output.splitlines():
+        if match := _UNDEFINED.search(line):
+            key = (match["symbol"], match["object"])
+            if key not in seen:
+                seen.add(key)
+                origin = symbol_origin(match["symbol"])
+                result.unresolved.append(Unresolved(match["symbol"], match["object"], origin))
+        elif match := _VERSION.search(line):
+            result.version_errors.append(
+                f"version {match['version']} not found (required by {match['object']})"
+            )
+    names = demangle([u.symbol for u in result.unresolved])
+    result.unresolved = [
+        Unresolved(u.symbol, u.needed_by, u.origin, names.get(u.symbol, ""))
+        for u in result.unresolved
+    ]
+    return result
+
+
+def distribution_extensions(site: Path, distributions: Iterable[str]) -> list[Path]:
+    """The compiled objects (``*.so``, ``*.so.N``) the given distributions installed, read from
+    their ``RECORD`` files: what their import may map."""
+    wanted = {_normalize(d) for d in distributions}
+    found: list[Path] = []
+    for info in sorted(site.glob("*.dist-info")):
+        metadata = info / "METADATA"
+        name = _metadata_name(metadata) if metadata.is_file() else None
+        if name is None or _normalize(name) not in wanted or not (info / "RECORD").is_file():
+            continue
+        for line in (info / "RECORD").read_text(errors="replace").splitlines():
+            path = line.rsplit(",", 2)[0]
+            if re.search(r"\.so(\.\d+)*$", path) and not path.startswith(".."):
+                candidate = site / path
+                if candidate.is_file():
+                    found.append(candidate)
+    return found
+
+
+def check(
+    site: Path,
+    python: Path,
+    distributions: Iterable[str],
+    env: dict[str, str] | None = None,
+) -> list[ExtensionAbi]:
+    """Bind every compiled extension of ``distributions`` in the venv whose site-packages is
+    ``site``, with torch's libraries loaded first, as ``import`` would."""
+    extensions = distribution_extensions(site, distributions)
+    if not extensions:
+        return []
+    preload = ld_trace.torch_first(site)
+    return [bind(ext, python, [p for p in preload if p != str(ext)], env) for ext in extensions]
+
+
+def torch_version(site: Path) -> str | None:
+    """The installed torch's version, from its dist-info."""
+    for info in site.glob("torch-*.dist-info"):
+        return info.name[len("torch-") : -len(".dist-info")]
+    return None
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _metadata_name(metadata: Path) -> str | None:
+    with metadata.open(errors="replace") as handle:
+        for line in handle:
+            if line.startswith("Name:"):
+                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+    return None
