@@ -12,13 +12,19 @@ and that had no link elsewhere, is freed; one with links elsewhere is only share
 The same walk finds what hardlink itself does not handle: directories of another filesystem
 (hardlink 2.38/2.39 have no --mount), temporary links a killed hardlink left, and whether any
 `.pyc` under the trees is timestamp-validated (dedup.py's bytecode rule).
+
+Run on its own (``python scripts/dedup_tree.py ROOT...``) it prints those books for trees as
+they are now: what dedup.py's report would call ``du_bytes_before``, without changing anything.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import stat
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,6 +36,10 @@ TEMP_SUFFIX = ".hardlink-temporary"
 #: The temporary names of the dedup.py before it used hardlink (a crash could leave one).
 LEGACY_TEMP = re.compile(r"^\.dedup-tmp-[0-9a-f]+-[0-9]+$")
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+#: dedup.py --read-only writes the modes it is about to clear here, in each ROOT, before it
+#: clears them, and removes the file when the run is done: a run killed in between leaves it,
+#: and the next run gives those modes back. Never linked, never counted.
+MODES_JOURNAL = ".dedup-read-only-modes.json"
 _ERE_SPECIAL = frozenset("\\.^$|?*+()[]{}")
 
 
@@ -41,6 +51,8 @@ class Inode:
     blocks: int  # bytes on disk, st_blocks * 512: what `du -B1` adds for it
     nlink: int  # links anywhere on the filesystem
     mode: int  # permission bits
+    uid: int
+    gid: int
     path: str  # one of its paths under the trees ("" unless the scan was asked to keep them)
     here: int = 1  # how many of its paths lie under the trees
     candidate: bool = False  # some path of it may be linked (not excluded, not too small)
@@ -61,6 +73,9 @@ class Tree:
     other_filesystems: list[str] = field(default_factory=list)
     timestamp_pyc: str | None = None  # first timestamp-validated .pyc seen, if looked for
     stale_temps: list[str] = field(default_factory=list)
+    vanished_roots: list[str] = field(default_factory=list)  # gone before the walk reached them
+    #: path -> inode of every file hardlink may link (only when the scan was asked to index)
+    index: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def apparent_bytes(self) -> int:
         """Sum of file sizes, each inode once."""
@@ -99,7 +114,42 @@ def glob_to_regex(pattern: str) -> str:
 
 def literal_regex(path: str) -> str:
     """A POSIX extended regex matching ``path`` and everything below it."""
-    return "^" + "".join("\\" + c if c in _ERE_SPECIAL else c for c in path) + "(/|$)"
+    return "^" + _ere_literal(path) + "(/|$)"
+
+
+def paths_regexes(paths: Iterable[str], chunk: int = 100_000) -> list[str]:
+    """POSIX extended regexes that match exactly ``paths`` (absolute), each at most ``chunk``
+    characters (an argument of a command line may hold 128 KiB).
+
+    One regex per path would cost hardlink a regexec per file and per regex (1,000 of them
+    over 40,000 files: 31 s); names grouped by directory into alternations cost next to
+    nothing (20,000 paths: 1 s).
+    """
+    by_dir: dict[str, list[str]] = {}
+    for path in sorted(set(paths)):
+        directory, _, name = path.rpartition("/")
+        by_dir.setdefault(directory, []).append(name)
+    pieces: list[str] = []
+    for directory, names in by_dir.items():
+        head = "^" + _ere_literal(directory) + "/("
+        group: list[str] = []
+        for name in names:
+            if group and len(head) + sum(len(g) + 1 for g in group) + len(name) + 3 > chunk:
+                pieces.append(head + "|".join(group) + ")$")
+                group = []
+            group.append(_ere_literal(name))
+        pieces.append(head + "|".join(group) + ")$")
+    regexes: list[str] = []
+    for piece in pieces:
+        if regexes and len(regexes[-1]) + 1 + len(piece) <= chunk:
+            regexes[-1] += "|" + piece
+        else:
+            regexes.append(piece)
+    return regexes
+
+
+def _ere_literal(text: str) -> str:
+    return "".join("\\" + c if c in _ERE_SPECIAL else c for c in text)
 
 
 def timestamp_validated(pyc: str) -> bool:
@@ -125,15 +175,22 @@ def scan(
     *,
     find_timestamp_pyc: bool = False,
     keep_paths: bool = False,
+    index_paths: bool = False,
 ) -> Tree:
     """Walk ``roots`` like ``find -xdev`` (lstat, no symlink followed) and book every inode.
 
     A path that vanishes while it is walked is counted in ``skipped`` and left out, never an
-    error: the trees are not ours alone while we look at them.
+    error: the trees are not ours alone while we look at them. A root that is gone is listed
+    in ``vanished_roots``. dedup.py's journal of modes (MODES_JOURNAL) in a root is skipped.
     """
     tree = Tree()
     for root in roots:
-        tree.other_blocks += os.lstat(root).st_blocks * 512
+        try:
+            tree.other_blocks += os.lstat(root).st_blocks * 512
+        except FileNotFoundError:
+            tree.vanished_roots.append(str(root))
+            continue
+        journals = {os.path.join(root, MODES_JOURNAL), os.path.join(root, MODES_JOURNAL + ".tmp")}
         stack = [str(root)]
         while stack:
             directory = stack.pop()
@@ -154,7 +211,13 @@ def scan(
                     skipped["vanished during the scan"] += 1
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    _book_file(tree, entry.path, st, exclude, min_size, skipped, keep_paths)
+                    if entry.path in journals:
+                        continue
+                    booked = _book_file(
+                        tree, entry.path, st, exclude, min_size, skipped, keep_paths
+                    )
+                    if index_paths and booked:
+                        tree.index[entry.path] = (st.st_dev, st.st_ino)
                     if (
                         find_timestamp_pyc
                         and tree.timestamp_pyc is None
@@ -194,10 +257,11 @@ def _book_file(
     min_size: int,
     skipped: Counter[str],
     keep_path: bool,
-) -> None:
+) -> bool:
+    """Book one regular file; True if hardlink may link this path (not excluded, not small)."""
     if st.st_nlink >= 2 and _leftover_temp(path):
         tree.stale_temps.append(path)
-        return
+        return False
     tree.files_scanned += 1
     if exclude is not None and exclude.search(path):
         skipped["excluded (rewritten in place by tools)"] += 1
@@ -215,9 +279,73 @@ def _book_file(
             blocks=st.st_blocks * 512,
             nlink=st.st_nlink,
             mode=stat.S_IMODE(st.st_mode),
+            uid=st.st_uid,
+            gid=st.st_gid,
             path=path if keep_path else "",
             candidate=candidate,
         )
     else:
         inode.here += 1
         inode.candidate = inode.candidate or candidate
+    return candidate
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def books(tree: Tree, skipped: Counter[str]) -> dict[str, object]:
+    """The walk's figures as dedup.py's report names them."""
+    return {
+        "files_scanned": tree.files_scanned,
+        "inodes": len(tree.files),
+        "inodes_shared_here": sum(inode.here > 1 for inode in tree.files.values()),
+        "inodes_linked_outside": sum(inode.linked_outside for inode in tree.files.values()),
+        "bytes": tree.apparent_bytes(),
+        "du_bytes": tree.du_bytes(),
+        "skipped": dict(skipped),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dedup_tree.py",
+        description=(
+            "Print what the given trees hold, counted the way `du -sxcB1 ROOT...` counts it: "
+            "each inode once, with its blocks; how many inodes are shared by several paths "
+            "under the trees and how many are also linked from outside them (uv's cache, "
+            "another prefix). These are the books scripts/dedup.py keeps before and after it "
+            "links; this command only reads."
+        ),
+        epilog="Example: python scripts/dedup_tree.py /opt/venvs/deepep_v1 /opt/venvs/deepep_v2",
+    )
+    parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to count")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    resolved = [Path(root).resolve() for root in args.roots]
+    for root, path in zip(args.roots, resolved, strict=True):
+        if not path.is_dir():
+            parser.error(f"{root} is not a directory: give existing trees")
+    devices = {os.stat(path).st_dev for path in resolved}
+    if len(devices) > 1:
+        parser.error("the ROOTs are on different filesystems: run it once per filesystem")
+    roots = [p for p in sorted(set(resolved)) if not any(q in p.parents for q in resolved)]
+    skipped: Counter[str] = Counter()
+    tree = scan(roots, devices.pop(), None, 0, skipped)
+    figures = books(tree, skipped)
+    if tree.vanished_roots:
+        print(f"dedup_tree: gone while counted: {' '.join(tree.vanished_roots)}", file=sys.stderr)
+        print("dedup_tree: run it again on trees that exist", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    for name, value in figures.items():
+        if name != "skipped":
+            print(f"{name}: {value}")
+    for reason, count in sorted(skipped.items()):
+        print(f"not regular files or left out: {reason}: {count}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
