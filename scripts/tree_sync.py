@@ -6,35 +6,48 @@ Copying a whole venv would write its ~2 GB again into the new layer; writing onl
 backend's stage changed keeps that layer to the backend's own files (tens of MB).
 
 What "equal" means, and what it guarantees (tests/test_tree_sync.py): afterwards ``target`` has
-exactly ``source``'s paths, each of the same type; regular files with the same bytes, mode and
-owner; symlinks with the same target; directories with the same mode. Entries only in
-``target`` are removed. A regular file counts as unchanged when size, mode and owner match and
-either the mtime matches (rsync's quick check: a file both trees got from one lower layer) or
-the bytes do (compared in full; such a file keeps its own mtime, as touching it would copy it
-into the new layer for a timestamp); anything else is rewritten, with the source's mtime,
-through a temporary file and a rename, so no path is ever half-written and a file hardlinked
-elsewhere (another skeleton) keeps its old content there. Files that share an inode in
-``source`` and are written here share one in ``target``. Devices, FIFOs and sockets are
-refused.
+exactly ``source``'s paths, each of the same type; regular files with the same size, mode and
+owner, and with the same mtime or the same bytes; symlinks with the same target; directories
+with the same mode. Entries only in ``target`` are removed. A regular file counts as unchanged
+when size, mode and owner match and either the mtime matches (rsync's quick check, which reads
+no bytes: a file both trees got from one lower layer; a file rewritten in place with its size
+and mtime kept, as ``touch -r`` can do, is not noticed, as rsync without ``--checksum`` would
+not notice it) or the bytes do (compared in full; such a file keeps its own mtime, as touching
+it would copy it into the new layer for a timestamp); anything else is rewritten, with the
+source's mtime, through a temporary file and a rename, so no path is ever half-written and a
+file hardlinked elsewhere (another skeleton) keeps its old content there. Files that share an
+inode in ``source`` and are written here share one in ``target``.
+
+Before it writes anything, the whole source is checked: an entry that is not a file,
+directory or symlink (a FIFO, socket or device), a file it cannot read or a directory it
+cannot list refuses the sync with every such path named, and ``target`` is left as it was,
+instead of being found partway with the entries before it already written.
 
 util-linux has no such tool, and rsync is an optional package (Debian: Priority optional; the
 image tests' minbase base image lacks it) that a base image need not have, hence this module;
 its rules are rsync's ``-a --delete`` without ``--checksum``, plus a byte comparison where rsync
 would rewrite a file whose mtime differs (rewriting it would copy it into the layer).
+
+Command line: ``python scripts/tree_sync.py SOURCE TARGET`` (``--help``).
 """
 
 from __future__ import annotations
 
+import argparse
 import filecmp
 import os
 import shutil
 import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: At most this many problems of the source are listed (then how many more).
+_LISTED = 20
+
 
 class SyncError(RuntimeError):
-    """The trees cannot be made equal; the message says why."""
+    """The trees cannot be made equal; the message says why, its last line the fix."""
 
 
 @dataclass
@@ -88,10 +101,51 @@ def _write_file(src_path: str, dst_path: str, src: os.stat_result) -> None:
     os.replace(temp, dst_path)
 
 
+def check_source(source: Path) -> None:
+    """Everything the sync will read can be read and copied; SyncError naming each problem.
+
+    Runs before anything is written, so a bad source leaves the target as it was.
+    """
+    problems: list[str] = []
+
+    def unlistable(exc: OSError) -> None:
+        problems.append(f"{exc.filename}: cannot list this directory ({exc.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(source, onerror=unlistable):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError as exc:
+                problems.append(f"{path}: cannot look at it ({exc.strerror})")
+                continue
+            if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket or device"
+                problems.append(f"{path}: {kind}, not a file, directory or symlink")
+                continue
+            try:  # O_NONBLOCK: should it have turned into a FIFO meanwhile, never hang on it
+                os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+            except OSError as exc:
+                problems.append(f"{path}: cannot read this file ({exc.strerror})")
+    if problems:
+        listed = problems[:_LISTED]
+        if len(problems) > _LISTED:
+            listed.append(f"... and {len(problems) - _LISTED} more")
+        raise SyncError(
+            f"{source} cannot be copied as it is; nothing was written:\n  "
+            + "\n  ".join(listed)
+            + "\nfix: remove those entries from the source (a venv holds only files, "
+            "directories and symlinks) or make them readable by this user, then run it again"
+        )
+
+
 def sync_tree(source: Path, target: Path) -> SyncReport:
     """Make ``target`` equal to ``source`` (see the module docstring); returns what changed."""
     if not source.is_dir() or source.is_symlink():
-        raise SyncError(f"{source} is not a directory")
+        raise SyncError(f"{source} is not a directory\nfix: give an existing directory as SOURCE")
+    check_source(source)
     report = SyncReport()
     written: dict[tuple[int, int], str] = {}  # a source inode -> the target path written for it
     if not target.is_dir() or target.is_symlink():
@@ -174,3 +228,47 @@ def _sync_file(
         written[key] = dst_path
     report.files_written += 1
     report.bytes_written += src.st_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tree_sync.py",
+        description=(
+            "Make TARGET equal to SOURCE, writing only the entries that differ: the same "
+            "paths and types, files of the same size, mode and owner with the same mtime "
+            "(rsync's quick check) or the same bytes, symlinks with the same target, "
+            "directories with the same mode; entries only in TARGET are removed. Changed "
+            "files are written to a temporary name and renamed into place, so a file "
+            "hardlinked elsewhere keeps its content there. The source is checked first: a "
+            "FIFO, socket, device, unreadable file or unlistable directory in it refuses the "
+            "sync before anything is written. rsync -a --delete, without needing rsync; the "
+            "image's multi-backend stage uses it (scripts/image_stage.py)."
+        ),
+        epilog=(
+            "Exit codes: 0 equal now; 1 refused or failed (the message names the path and the "
+            "fix); 2 bad usage. Example: python scripts/tree_sync.py /mnt/ep-deepep_v2/"
+            "deepep_v2 /opt/venvs/deepep_v2"
+        ),
+    )
+    parser.add_argument("source", type=Path, metavar="SOURCE", help="the tree to copy")
+    parser.add_argument("target", type=Path, metavar="TARGET", help="made equal to SOURCE")
+    args = parser.parse_args(argv)
+    try:
+        report = sync_tree(args.source, args.target)
+    except SyncError as exc:
+        print(f"tree_sync: refused: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"tree_sync: failed: {exc}", file=sys.stderr)
+        print(
+            "tree_sync: fix: make TARGET writable by this user, then run it again (files are "
+            "replaced whole, but the target may be partly updated)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"tree_sync: {args.source} -> {args.target}: {report.summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
