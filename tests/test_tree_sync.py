@@ -8,11 +8,18 @@ layer instead of being copied into the new one).
 from __future__ import annotations
 
 import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import tree_sync
-from _venv_helpers import tree_differences
+from _venv_helpers import SCRIPTS, tree_differences
+
+NOBODY = 65534
 
 
 def write(path: Path, text: str, mtime_ns: int | None = None) -> Path:
@@ -89,3 +96,125 @@ def test_special_files_and_a_missing_source_are_refused(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "src" / "fifo")
     with pytest.raises(tree_sync.SyncError, match="not a file, directory or symlink"):
         tree_sync.sync_tree(tmp_path / "src", tmp_path / "dst")
+
+
+def _state(root: Path) -> dict[str, tuple[int, int, int, bytes | str]]:
+    """Every entry of ``root``: inode, mode, mtime and content (a symlink's target)."""
+    found: dict[str, tuple[int, int, int, bytes | str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                content: bytes | str = Path(path).read_bytes()
+            elif stat.S_ISLNK(st.st_mode):
+                content = os.readlink(path)
+            else:
+                content = ""
+            found[os.path.relpath(path, root)] = (st.st_ino, st.st_mode, st.st_mtime_ns, content)
+    return found
+
+
+def _old_and_new(src: Path, dst: Path) -> None:
+    """A target holding last build's venv, a source that changed it: entries before the bad one
+    in the walk's order (the top level) would be written first."""
+    write(dst / "a_changed.py", "old\n")
+    write(src / "a_changed.py", "new and longer\n")
+    write(dst / "b_removed.py", "only in the target\n")
+    write(src / "c_new.py", "new\n")
+    write(dst / "lib/kept.py", "kept\n", 1_700_000_000_000_000_000)
+    write(src / "lib/kept.py", "kept\n", 1_700_000_000_000_000_000)
+    (src / "z").mkdir()
+
+
+def test_a_fifo_in_the_source_is_found_before_anything_is_written(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _old_and_new(src, dst)
+    os.mkfifo(src / "z" / "pipe")
+    before = _state(dst)
+    with pytest.raises(tree_sync.SyncError) as caught:
+        tree_sync.sync_tree(src, dst)
+    assert _state(dst) == before, "the target was changed before the FIFO was found"
+    message = str(caught.value)
+    assert str(src / "z" / "pipe") in message and "a FIFO" in message
+    assert message.splitlines()[-1].startswith("fix: ")
+    os.unlink(src / "z" / "pipe")
+    tree_sync.sync_tree(src, dst)
+    assert tree_differences(dst, src) == []
+
+
+def test_an_unreadable_file_is_found_before_anything_is_written(tmp_path: Path) -> None:
+    """The sync runs as a user who cannot read one file of the source (root reads anything,
+    so as root the test runs it as nobody, in a world-readable directory)."""
+    as_root = os.geteuid() == 0
+    system_python = shutil.which("python3", path="/usr/bin:/bin") if as_root else sys.executable
+    if system_python is None:
+        pytest.skip("needs a system python3 to run the sync as user nobody")
+    base = Path(tempfile.mkdtemp(prefix="tree-sync-test-", dir="/tmp")) if as_root else tmp_path
+    try:
+        base.chmod(0o755)
+        src, dst, scripts = base / "src", base / "dst", base / "scripts"
+        _old_and_new(src, dst)
+        write(src / "z" / "secret.so", "not for you\n").chmod(0o000)
+        scripts.mkdir()
+        shutil.copy(SCRIPTS / "tree_sync.py", scripts)
+        as_user: dict = {"capture_output": True, "text": True, "timeout": 120}
+        if as_root:
+            subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(base)], check=True)
+            as_user |= {"user": NOBODY, "group": NOBODY}
+        before = _state(dst)
+
+        api = (
+            "import sys; sys.path.insert(0, sys.argv[1]); import tree_sync; from pathlib "
+            "import Path\ntry:\n    tree_sync.sync_tree(Path(sys.argv[2]), Path(sys.argv[3]))\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc); sys.exit(3)"
+        )
+        proc = subprocess.run([system_python, "-c", api, scripts, src, dst], **as_user)
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert _state(dst) == before, "the target was changed before the file was found"
+        assert proc.stdout.startswith("SyncError") and "cannot read this file" in proc.stdout
+
+        cli = [system_python, str(scripts / "tree_sync.py"), str(src), str(dst)]
+        proc = subprocess.run(cli, **as_user)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert str(src / "z" / "secret.so") in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("fix: ")
+        assert _state(dst) == before
+    finally:
+        if as_root:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_quick_check_trusts_size_mtime_mode_and_owner_as_documented(tmp_path: Path) -> None:
+    """Equal size, mtime, mode and owner: unchanged, whatever the bytes (rsync's quick check)."""
+    t0 = 1_700_000_000_000_000_000
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write(src / "f.py", "AAAA\n", t0)
+    write(dst / "f.py", "BBBB\n", t0)
+    report = tree_sync.sync_tree(src, dst)
+    assert report.unchanged == 1 and (dst / "f.py").read_text() == "BBBB\n"
+    doc = " ".join((tree_sync.__doc__ or "").split())
+    assert "regular files with the same bytes" not in doc, "claims more than it checks"
+    assert "same size, mode and owner, and with the same mtime or the same bytes" in doc
+    assert "quick check, which reads no bytes" in doc
+
+
+def test_command_line_help_usage_and_errors(tmp_path: Path) -> None:
+    script = [sys.executable, str(SCRIPTS / "tree_sync.py")]
+    helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "usage: tree_sync.py" in helped.stdout
+    for text in ("SOURCE", "TARGET", "quick check", "FIFO"):
+        assert text in helped.stdout, text
+    usage = subprocess.run(script, capture_output=True, text=True)
+    assert usage.returncode == 2 and "required: SOURCE, TARGET" in usage.stderr
+    missing = subprocess.run([*script, tmp_path / "absent", tmp_path / "dst"],
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines()[-1].startswith("fix: give an existing directory")
+    assert not (tmp_path / "dst").exists()
+    write(tmp_path / "src" / "x.py", "x\n")
+    done = subprocess.run([*script, tmp_path / "src", tmp_path / "dst"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and "1 files" in done.stdout
+    assert tree_differences(tmp_path / "dst", tmp_path / "src") == []

@@ -1,0 +1,387 @@
+"""scripts/dedup.py when a run does not go as planned: killed, a ROOT or a file removed under
+it, a bad argument, odd names, inodes shared with the world outside the ROOTs.
+
+Each test runs dedup.py as a subprocess on real trees, with the real util-linux hardlink, and
+checks the trees themselves (modes, inodes, `du`) against the report. Where something must
+happen at one exact moment of a run (a kill after the write bits are cleared, a ROOT removed
+while hardlink runs), a test puts a `hardlink` wrapper first on PATH: a shell script that runs
+the real tool and does the test's step before or after it (``wrapped_hardlink``). That wrapper
+is the only stand-in: dedup.py is unchanged and has no test hook; a kill is a real SIGKILL to
+the real process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _venv_helpers import ROOT, SCRIPTS, inodes, make_uv_venv, snapshot
+
+PACKAGES = ("six==1.17.0", "packaging==26.4")
+TRACEBACK = "Traceback"
+JOURNAL = ".dedup-read-only-modes.json"  # docs/host-mode.md names it
+
+
+def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SCRIPTS / "dedup.py"), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def dedup_json(tmp: Path, *roots: Path, extra: tuple[str, ...] = ()) -> dict:
+    report = tmp / f"report-{time.monotonic_ns()}.json"
+    proc = run_dedup(*extra, "--json", report, *roots)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(report.read_text())
+
+
+def du_total(*roots: Path) -> int:
+    out = subprocess.run(["du", "-sxcB1", *map(str, roots)], capture_output=True, text=True)
+    return int(out.stdout.splitlines()[-1].split()[0])
+
+
+def modes(root: Path) -> dict[str, int]:
+    return {rel: mode for rel, (_sha, mode) in snapshot(root).items()}
+
+
+def wrapped_hardlink(directory: Path, *, before: str = "", after: str = "") -> dict[str, str]:
+    """An environment whose `hardlink` runs shell ``before``, the real tool, then ``after``."""
+    real = shutil.which("hardlink")
+    assert real, "util-linux hardlink is needed (it is an essential package)"
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "hardlink"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in --version) exec {real} "$@" ;; esac\n'
+        f"{before}\n"
+        f'{real} "$@"\n'
+        "rc=$?\n"
+        f"{after}\n"
+        "exit $rc\n"
+    )
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{directory}:{os.environ['PATH']}"}
+
+
+def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, "dedup ended before the moment the test waits for"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def venvs(tmp_path: Path) -> tuple[Path, Path]:
+    """Two real venvs holding the same small packages, as separate copies, and each a few
+    files of its own (in real venvs: every file of the one backend's distribution)."""
+    a = make_uv_venv(tmp_path / "a", *PACKAGES)
+    b = make_uv_venv(tmp_path / "b", *PACKAGES)
+    for root, name, mode in ((a, "own_a.so", 0o644), (b, "own_b.cfg", 0o600)):
+        (root / name).write_bytes(os.urandom(3000))
+        (root / name).chmod(mode)
+    (a / "lib_a").mkdir()
+    (a / "lib_a" / "kernel.py").write_text("A = 1\n" * 300)
+    (a / "lib_a" / "kernel.py").chmod(0o664)
+    return a, b
+
+
+# --------------------------------------------------------------------------- --read-only killed
+
+
+def test_read_only_killed_after_clearing_write_bits_is_undone_by_the_next_run(
+    venvs, tmp_path: Path
+) -> None:
+    """SIGKILL to the whole run after the write bits are cleared and hardlink has linked.
+
+    The next run gives every file that stays unshared its mode back (0644, 0600, 0664 here);
+    shared ones end read-only, as a run that was never killed leaves them.
+    """
+    a, b = venvs
+    before = {"a": modes(a), "b": modes(b)}
+    marker = tmp_path / "hardlink-finished"
+    env = wrapped_hardlink(tmp_path / "wrap", after=f"touch {marker}; sleep 600")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "dedup.py"), "--read-only", str(a), str(b)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(marker, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+    # The state a kill leaves: files of one venv only, without their write bits.
+    assert stat.S_IMODE((a / "own_a.so").stat().st_mode) == 0o444
+    assert stat.S_IMODE((b / "own_b.cfg").stat().st_mode) == 0o400
+
+    report = dedup_json(tmp_path, a, b, extra=("--read-only",))
+
+    for name, root in (("a", a), ("b", b)):
+        ids = inodes(root)
+        shared = {rel for rel, ino in ids.items() if _links_here(ino, a, b) > 1}
+        for rel, mode in modes(root).items():
+            if rel in shared:
+                assert mode & 0o222 == 0, f"{name}/{rel} is shared and writable"
+            else:
+                assert mode == before[name][rel], f"{name}/{rel}: {oct(mode)}"
+    assert stat.S_IMODE((b / "own_b.cfg").stat().st_mode) == 0o600
+    assert report["modes_restored"] >= 3
+    assert not list(tmp_path.rglob(JOURNAL + "*"))
+
+
+def _links_here(ino: tuple[int, int], *roots: Path) -> int:
+    return sum(list(inodes(root).values()).count(ino) for root in roots)
+
+
+def test_a_plain_run_after_a_killed_read_only_run_gives_the_modes_back(tmp_path: Path) -> None:
+    """The journal is read by any real run, --read-only or not; a dry run only reports it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        root.mkdir()
+        (root / "same.bin").write_bytes(b"s" * 5000)
+    (a / "only.bin").write_bytes(b"o" * 5000)
+    (a / "only.bin").chmod(0o640)
+    marker = tmp_path / "hardlink-started"
+    env = wrapped_hardlink(tmp_path / "wrap", before=f"touch {marker}; sleep 600")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "dedup.py"), "--read-only", str(a), str(b)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(marker, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert stat.S_IMODE((a / "only.bin").stat().st_mode) == 0o440
+    assert stat.S_IMODE((b / "same.bin").stat().st_mode) == 0o444
+
+    dry = dedup_json(tmp_path, a, b, extra=("--dry-run",))
+    assert stat.S_IMODE((a / "only.bin").stat().st_mode) == 0o440, "a dry run changes nothing"
+
+    report = dedup_json(tmp_path, a, b)
+    assert stat.S_IMODE((a / "only.bin").stat().st_mode) == 0o640
+    assert stat.S_IMODE((b / "same.bin").stat().st_mode) == 0o644
+    assert (a / "same.bin").stat().st_ino == (b / "same.bin").stat().st_ino
+    assert not (a / JOURNAL).exists()
+    assert dry["modes_restored"] == report["modes_restored"] == 3
+
+
+# --------------------------------------------------------------------------- things that vanish
+
+
+def _small_trees(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        (root / "lib").mkdir(parents=True)
+        (root / "lib" / "dup1.bin").write_bytes(b"1" * 20000)
+        (root / "lib" / "dup2.bin").write_bytes(b"2" * 30000)
+    return a, b
+
+
+def test_a_root_that_vanishes_mid_run_is_reported_not_a_traceback(tmp_path: Path) -> None:
+    """Another process removes ROOT b while hardlink runs: a report, exit 1, nothing counted."""
+    a, b = _small_trees(tmp_path)
+    report_path = tmp_path / "report.json"
+    env = wrapped_hardlink(tmp_path / "wrap", before=f"rm -rf {b}")
+
+    proc = run_dedup("--json", report_path, a, b, env=env)
+
+    assert TRACEBACK not in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "vanished" in proc.stderr and str(b) in proc.stderr
+    assert last_line(proc.stderr).startswith("dedup: fix:")
+    report = json.loads(report_path.read_text())
+    assert any(str(b) in f and "vanished" in f for f in report["failures"])
+    assert (report["files_linked"], report["inodes_merged"], report["saved_bytes"]) == (0, 0, 0)
+    assert report["du_bytes_after"] == du_total(a)
+
+
+def test_files_removed_by_someone_else_are_not_counted_as_linked_or_saved(
+    tmp_path: Path,
+) -> None:
+    """After hardlink linked, another process deletes a linked path and a file of its own.
+
+    Counted: only the link that is still there (dup1), and only the copy it replaced as freed.
+    """
+    a, b = _small_trees(tmp_path)
+    victim = b / "unique.bin"
+    victim.write_bytes(os.urandom(1 << 20))
+    env = wrapped_hardlink(tmp_path / "wrap", after=f"rm -f {victim} {a}/lib/dup2.bin")
+    report_path = tmp_path / "report.json"
+
+    proc = run_dedup("--json", report_path, a, b, env=env)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert (a / "lib/dup1.bin").stat().st_ino == (b / "lib/dup1.bin").stat().st_ino
+    assert report["files_linked"] == 1, "a deleted path is not a link"
+    assert report["inodes_merged"] == 1
+    one_copy = (a / "lib/dup1.bin").stat().st_blocks * 512
+    assert report["saved_bytes"] == one_copy, "the deleted megabyte is not dedup's saving"
+    assert report["du_bytes_after"] == du_total(a, b)
+    assert sum(v for k, v in report["skipped"].items() if "another process" in k) == 2
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def test_json_path_that_cannot_be_written_is_refused_before_linking(tmp_path: Path) -> None:
+    a, b = _small_trees(tmp_path)
+    (tmp_path / "a-file").write_text("not a directory\n")
+    state = inodes(a), inodes(b)
+
+    proc = run_dedup("--json", tmp_path / "a-file" / "r.json", a, b)
+
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert TRACEBACK not in proc.stderr
+    assert "Nothing was changed" in proc.stderr
+    assert last_line(proc.stderr).startswith("dedup: fix: give --json")
+    assert (inodes(a), inodes(b)) == state, "files were linked before the refusal"
+
+    # A directory that does not exist yet is made, as the probes' --json does.
+    report = tmp_path / "no" / "such" / "dir" / "r.json"
+    proc = run_dedup("--json", report, a, b)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(report.read_text())["files_linked"] == 2
+    assert [p.name for p in report.parent.iterdir()] == ["r.json"], "no temporary file left"
+
+
+@pytest.mark.parametrize("value", ["-5", "ten", "1.5"])
+def test_bad_min_size_is_a_usage_error(tmp_path: Path, value: str) -> None:
+    a, b = _small_trees(tmp_path)
+    state = inodes(a), inodes(b)
+    proc = run_dedup("--min-size", value, a, b)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "hardlink" not in proc.stderr and TRACEBACK not in proc.stderr
+    assert "--min-size" in last_line(proc.stderr) and "0 or more" in last_line(proc.stderr)
+    assert (inodes(a), inodes(b)) == state
+
+
+def test_dry_run_predicts_the_run_for_names_with_newlines(tmp_path: Path) -> None:
+    """hardlink prints names raw: a link record of a name with a newline spans lines."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    names = ["nl\nname.so", "two\n\nlines.txt", "cr\rname.so", "x to y.so", "to\n to .so"]
+    for i, name in enumerate(names):
+        for root in (a, b):
+            (root / "lib").mkdir(parents=True, exist_ok=True)
+            (root / "lib" / name).write_bytes(bytes([65 + i]) * (5000 + 1000 * i))
+    state = inodes(a), inodes(b)
+
+    dry = dedup_json(tmp_path, a, b, extra=("--dry-run",))
+    assert (inodes(a), inodes(b)) == state
+    real = dedup_json(tmp_path, a, b)
+
+    for name in names:
+        assert (a / "lib" / name).stat().st_ino == (b / "lib" / name).stat().st_ino, name
+    keys = ("files_linked", "inodes_merged", "bytes_after", "du_bytes_after", "saved_bytes")
+    assert {k: dry[k] for k in keys} == {k: real[k] for k in keys}
+    assert real["files_linked"] == len(names)
+
+
+# --------------------------------------------------------------------------- linked from outside
+
+
+def test_read_only_keeps_copies_linked_from_outside_apart(tmp_path: Path) -> None:
+    """Each venv's copy also lives in a cache (uv's link mode "hardlink"): under --read-only
+    neither can be made read-only, so they must not be linked to each other either."""
+    a, b, cache_a, cache_b = (tmp_path / n for n in ("a", "b", "cache_a", "cache_b"))
+    for d in (a, b, cache_a, cache_b):
+        d.mkdir()
+    payload = b"\x7fELF" + os.urandom(20000)
+    for cache, root in ((cache_a, a), (cache_b, b)):
+        (cache / "lib.so").write_bytes(payload)
+        os.link(cache / "lib.so", root / "lib.so")
+    for root in (a, b):
+        (root / "own.py").write_text("x = 1\n" * 100)
+
+    proc = run_dedup("--read-only", "--json", tmp_path / "r.json", a, b)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (a / "lib.so").stat().st_ino != (b / "lib.so").stat().st_ino, "linked to each other"
+    for cache in (cache_a, cache_b):
+        assert (cache / "lib.so").stat().st_mode & 0o200, "the cache's file keeps its mode"
+        assert (cache / "lib.so").stat().st_nlink == 2
+    assert (a / "own.py").stat().st_ino == (b / "own.py").stat().st_ino
+    assert (a / "own.py").stat().st_mode & 0o222 == 0
+    kept_apart = [k for k in report["skipped"] if "linked from outside" in k]
+    assert [report["skipped"][k] for k in kept_apart] == [2]
+    assert sum(report["left_writable"].values()) == 2
+    assert "left writable (--read-only): also linked from outside" in proc.stdout
+
+    # Without --read-only they may share (nothing is freed: both stay in their caches).
+    report = dedup_json(tmp_path, a, b)
+    assert (a / "lib.so").stat().st_ino == (b / "lib.so").stat().st_ino
+    assert report["saved_bytes"] == 0 and report["shared_not_freed_bytes"] > 0
+
+
+# --------------------------------------------------------------------------- metadata writes
+
+
+def test_chmod_and_touch_reach_every_venv_that_shares_the_inode(tmp_path: Path) -> None:
+    """Not only writes into the bytes: an inode has one mode and one mtime. docs/host-mode.md
+    lists these beside strip, patchelf and `>>`."""
+    a, b = _small_trees(tmp_path)
+    dedup_json(tmp_path, a, b)
+    target_a, target_b = a / "lib/dup1.bin", b / "lib/dup1.bin"
+    os.chmod(target_a, 0o600)
+    assert stat.S_IMODE(target_b.stat().st_mode) == 0o600
+    os.utime(target_a, (1_000_000_000, 1_000_000_000))
+    assert target_b.stat().st_mtime == 1_000_000_000
+    subprocess.run(["touch", str(target_a)], check=True)
+    assert target_b.stat().st_mtime > 1_000_000_000
+    if os.geteuid() == 0:  # giving a file away needs root
+        os.chown(target_a, 12345, -1)
+        assert target_b.stat().st_uid == 12345
+    os.setxattr(target_a, "user.ep-test", b"1")
+    assert os.getxattr(target_b, "user.ep-test") == b"1"
+
+    text = (ROOT / "docs/host-mode.md").read_text()
+    section = text.split("### Hardlinked venvs and installers", 1)[1].split("\n## ", 1)[0]
+    unsafe = section.split("What is still unsafe", 1)[1].split("\n\n", 1)[0]
+    for command in ("`strip", "`patchelf", "`chmod", "`chown", "`touch", "`setfattr"):
+        assert command in unsafe, f"{command} is not among the documented hazards"
+
+
+# --------------------------------------------------------------------------- dedup_tree
+
+
+def test_dedup_tree_has_a_command_line_whose_figures_are_dus(tmp_path: Path) -> None:
+    a, b = _small_trees(tmp_path)
+    os.link(a / "lib/dup1.bin", b / "lib/extra.bin")
+    script = [sys.executable, str(SCRIPTS / "dedup_tree.py")]
+    helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "usage: dedup_tree.py" in helped.stdout
+    assert "du -sxcB1" in helped.stdout
+
+    proc = subprocess.run([*script, "--json", a, b], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout)
+    assert figures["du_bytes"] == du_total(a, b)
+    assert (figures["files_scanned"], figures["inodes"], figures["inodes_shared_here"]) == (
+        5,
+        4,
+        1,
+    )
+
+    bad = subprocess.run([*script, tmp_path / "missing"], capture_output=True, text=True)
+    assert bad.returncode == 2 and TRACEBACK not in bad.stderr
+    assert "give existing trees" in last_line(bad.stderr)
