@@ -377,6 +377,8 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
     """
     for root in roots:
         journal = root / MODES_JOURNAL
+        if not dry_run:  # a run killed while writing its journal had cleared nothing yet
+            (root / (MODES_JOURNAL + ".tmp")).unlink(missing_ok=True)
         try:
             modes = json.loads(journal.read_text(encoding="utf-8"))["modes"]
         except FileNotFoundError:

@@ -1,0 +1,80 @@
+"""README's "On a fresh machine", read as a new user reads it: what its commands do is said.
+
+Why: the section is the first thing a newcomer runs. Each test ties a statement there to the
+fact it describes (the command line, pytest's configuration, the image tests' cache), so the
+text cannot drift from what the commands do. tests/test_ci.py holds the commands themselves
+equal to .ci/run.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def fresh_machine() -> str:
+    text = README.read_text()
+    return text.split("## On a fresh machine", 1)[1].split("\n## ", 1)[0]
+
+
+def first_command_after(label: str) -> str:
+    after = fresh_machine().split(f"**{label}**", 1)[1]
+    return after.split("```sh\n", 1)[1].split("\n", 1)[0]
+
+
+def test_the_main_job_says_where_its_report_goes() -> None:
+    command = first_command_after("The main job")
+    found = re.search(r"--json (\S+)", command)
+    assert found, command
+    prose = fresh_machine().split(command, 1)[1].split("**The tests**", 1)[0]
+    assert f"report to `{found[1]}`" in prose, "the reader is not told where the report is"
+
+
+def test_torchrun_is_the_venvs_own() -> None:
+    """A bare `torchrun` is not on PATH after the main job: it lives in the venv's bin/."""
+    section = fresh_machine()
+    calls = re.findall(r"(\S*torchrun) --nproc-per-node", section)
+    assert calls, "no multi-rank command shown"
+    for call in calls:
+        assert re.fullmatch(r"`?venvs/\w+/bin/torchrun", call), call
+    assert "probes/check_ep.py --nproc-per-node" in section
+    assert '"--nproc-per-node"' in (ROOT / "probes" / "check_ep.py").read_text()
+
+
+def _shows_skip_reasons(args: str) -> bool:
+    return any(re.fullmatch(r"-r\w*[sa]\w*|-rA", arg) for arg in args.split())
+
+
+def test_skip_reasons_are_shown_or_the_readme_says_how() -> None:
+    command = first_command_after("The tests")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    addopts = config["tool"]["pytest"]["ini_options"].get("addopts", "")
+    if isinstance(addopts, list):
+        addopts = " ".join(addopts)
+    if _shows_skip_reasons(command) or _shows_skip_reasons(addopts):
+        return
+    assert "add `-rs` to the command" in " ".join(fresh_machine().split()), (
+        "README implies skip reasons are listed, but its command does not list them"
+    )
+
+
+def test_the_cache_the_tests_leave_is_named_with_how_to_remove_it() -> None:
+    source = (ROOT / "tests" / "test_image_build.py").read_text()
+    default = re.search(r'"EP_IMAGE_TEST_CACHE", "([^"]+)"', source)
+    assert default, "the image tests' cache default moved"
+    section = " ".join(fresh_machine().split())
+    assert f"`rm -rf {default[1]}`" in section
+    assert "2.5 GB" in section
+
+
+def test_the_suite_time_includes_the_loaded_machine() -> None:
+    """21.5 min: the whole suite on a 2-core machine shared with other work (the lead's run of
+    README's command); the README's range must reach it."""
+    section = " ".join(fresh_machine().split())
+    found = re.search(r"whole suite took (\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) minutes", section)
+    assert found, "no time for the suite"
+    assert float(found[1]) <= 15.2 and float(found[2]) >= 21.5
