@@ -16,7 +16,8 @@ It guarantees, and is run so that (``--respect-xattrs --method memcmp --maximize
 - of equal files it keeps the inode with the most links, so an inode shared with uv's cache
   (or an earlier run) is the one kept and a copy is the one freed.
 
-What this script adds, because hardlink does not do it (each tested in tests/test_dedup.py):
+What this script adds, because hardlink does not do it (each tested in tests/test_dedup.py and
+tests/test_dedup_runs.py):
 - all ROOTs must be on one filesystem, else the run is refused before anything changes (exit
   2); hardlink would silently link per device. Directories of another filesystem below a ROOT
   are left out (hardlink 2.38/2.39 have no ``--mount``).

@@ -19,6 +19,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from _venv_helpers import ROOT, SCRIPTS, inodes, make_uv_venv, snapshot
 PACKAGES = ("six==1.17.0", "packaging==26.4")
 TRACEBACK = "Traceback"
 JOURNAL = ".dedup-read-only-modes.json"  # docs/host-mode.md names it
+NOBODY = 65534
 
 
 def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -385,3 +387,36 @@ def test_dedup_tree_has_a_command_line_whose_figures_are_dus(tmp_path: Path) -> 
     bad = subprocess.run([*script, tmp_path / "missing"], capture_output=True, text=True)
     assert bad.returncode == 2 and TRACEBACK not in bad.stderr
     assert "give existing trees" in last_line(bad.stderr)
+
+
+def test_read_only_refuses_a_root_it_cannot_record_modes_in(tmp_path: Path) -> None:
+    """--read-only writes its journal into each ROOT before it clears a bit: where it cannot,
+    nothing is changed (as root the test runs dedup as nobody on root's trees)."""
+    as_root = os.geteuid() == 0
+    python = shutil.which("python3", path="/usr/bin:/bin") if as_root else sys.executable
+    if python is None:
+        pytest.skip("needs a system python3 to run dedup as user nobody")
+    base = Path(tempfile.mkdtemp(prefix="dedup-test-", dir="/tmp")) if as_root else tmp_path
+    try:
+        base.chmod(0o755)
+        a, b = _small_trees(base)
+        scripts = base / "scripts"
+        scripts.mkdir()
+        for name in ("dedup.py", "dedup_tree.py"):
+            shutil.copy(SCRIPTS / name, scripts)
+        kw: dict = {"capture_output": True, "text": True, "timeout": 120}
+        if as_root:
+            kw |= {"user": NOBODY, "group": NOBODY}
+        else:
+            a.chmod(0o555)
+        state = inodes(a), inodes(b), modes(a), modes(b)
+        proc = subprocess.run([python, str(scripts / "dedup.py"), "--read-only", a, b], **kw)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert TRACEBACK not in proc.stderr and "Nothing was changed" in proc.stderr
+        assert last_line(proc.stderr).startswith("dedup: fix: run dedup as the owner")
+        assert (inodes(a), inodes(b), modes(a), modes(b)) == state
+    finally:
+        if (base / "a").exists():
+            os.chmod(base / "a", 0o755)
+        if as_root:
+            shutil.rmtree(base, ignore_errors=True)
