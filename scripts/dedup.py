@@ -548,8 +548,10 @@ def dedup(
         keep_paths=read_only,
         index_paths=True,
     )
-    clear = to_clear(before) if read_only and not dry_run else {}
+    clear = to_clear(before) if read_only else {}
     apart = keep_apart(before, clear) if read_only else []
+    if dry_run:
+        clear = {}  # nothing is changed; the excludes above are the real run's
     apart_regexes = dedup_tree.paths_regexes(apart)
     if sum(map(len, apart_regexes)) > EXCLUDE_REGEX_LIMIT:
         raise DedupError(
