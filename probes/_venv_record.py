@@ -69,14 +69,16 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def loaded_outside(prefix: str | None = None) -> dict[str, Any]:
+def loaded_outside(prefix: str | None = None, allowed: tuple[str, ...] = ()) -> dict[str, Any]:
     """What the process took from outside its venv: shared objects not under the venv (nor the
     system's library directories) and Python modules not under the venv (nor the interpreter's
-    own standard library). Both lists empty: everything came from the venv."""
+    own standard library, the probes, or ``allowed``: e.g. an upstream test's own files). Both
+    lists empty: everything came from the venv."""
     root = os.path.realpath(prefix or sys.prefix)
     venv_roots = [root, os.path.abspath(prefix or sys.prefix)]
     stdlib = [os.path.realpath(p) for p in {sys.base_prefix, sys.base_exec_prefix}]
     here = [os.path.realpath(Path(__file__).resolve().parents[1])]  # the probes and ep_image
+    here += [os.path.realpath(p) for p in allowed]
     objects = []
     for path in _mapped_objects():
         real = os.path.realpath(path)
@@ -88,8 +90,8 @@ def loaded_outside(prefix: str | None = None) -> dict[str, Any]:
     modules = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if not file:
-            continue
+        if not isinstance(file, str) or not os.path.isabs(file):
+            continue  # built-in, or a pseudo-module (torch.classes names "_classes.py")
         real = os.path.realpath(file)
         if not _under(real, venv_roots + stdlib + here):
             modules.append(f"{name}: {file}")

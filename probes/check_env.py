@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _ep_detect
 import _facts
+import _venv_record
 from _report import (
     EXIT_OK,
     EXIT_USAGE,
@@ -208,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = collect(args.te_build_info)
     print(table(manifest), flush=True)
     if args.json:
-        write_json_atomic(
-            args.json, {"schema_version": SCHEMA_VERSION, "probe": "check_env", **manifest}
-        )
+        report = {"schema_version": SCHEMA_VERSION, "probe": "check_env", **manifest}
+        report["environment"] = _venv_record.environment_facts()
+        write_json_atomic(args.json, report)
     return EXIT_OK
 
 

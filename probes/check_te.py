@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _facts
+import _venv_record
 from _report import (
     EXIT_USAGE,
     ProbeArgumentParser,
@@ -437,6 +438,7 @@ def run(args: argparse.Namespace) -> int:
     versions["transformer_engine"] = imp.data.get("version")
     versions["te_build_info"] = _facts.read_json_file(build_info_path)
     report = build_report("check_te", steps, code, require=bool(args.require), versions=versions)
+    report["environment"] = _venv_record.environment_facts()
     header = [f"te-build.json: {build_info_path}"]
     print(render_table("check_te", header, steps, code), flush=True)
     if args.json:

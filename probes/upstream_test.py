@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The registry (ep_image/) sits beside probes/, in the repository and in the image.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _venv_record
 from _report import write_json_atomic
 
 from ep_image import backends as registry
@@ -79,6 +81,39 @@ SHARED_INIT_DIST = """def init_dist(local_rank: int, num_local_ranks: int):
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     return dist.get_rank(), dist.get_world_size(), dist.new_group(list(range(num_local_ranks)))
 """
+
+
+#: A sitecustomize.py for the test's processes (its ranks included): at exit each writes what it
+#: loaded from outside its venv, so the report shows the oracle ran on the venv's own stack.
+LOADED_HOOK = """import atexit, json, os, sys
+
+
+def _ep_image_record_loaded():
+    sys.path.insert(0, {probes!r})
+    import _venv_record
+    path = os.path.join({out!r}, f"{{os.getpid()}}.json")
+    with open(path, "w") as handle:
+        json.dump(_venv_record.loaded_outside(allowed=({work!r},)), handle)
+
+
+atexit.register(_ep_image_record_loaded)
+"""
+
+
+def merged_loads(folder: Path) -> dict[str, object]:
+    """The union over the test's processes of what each loaded from outside the venv."""
+    objects: set[str] = set()
+    modules: set[str] = set()
+    count = 0
+    for path in folder.glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        count += 1
+        objects.update(data.get("shared_objects", []))
+        modules.update(data.get("modules", []))
+    return {"shared_objects": sorted(objects), "modules": sorted(modules), "processes": count}
 
 
 def rewrite_init_dist(utils_source: str) -> str:
@@ -176,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         env.update(env_extra)
+        hook, loads = work / "hook", work / "loaded"
+        hook.mkdir()
+        loads.mkdir()
+        probes = str(Path(__file__).resolve().parent)
+        hook_text = LOADED_HOOK.format(probes=probes, out=str(loads), work=str(work))
+        (hook / "sitecustomize.py").write_text(hook_text)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
         env.pop("WORLD_SIZE", None)
         env.pop("RANK", None)
         start = time.monotonic()
@@ -194,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             out = exc.stdout
             code, output = 124, out.decode() if isinstance(out, bytes) else (out or "")
         seconds = time.monotonic() - start
+        environment = _venv_record.venv_record()
+        environment["loaded_outside_venv"] = merged_loads(loads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sys.stdout.write(output)
@@ -216,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases_passed": cases_passed(output, code == 0),
         "cases_completed": cases_completed(output, code == 0),
         "output_tail": output[-4000:],
+        "environment": environment,
     }
     if args.json:
         write_json_atomic(args.json, report)

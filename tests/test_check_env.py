@@ -25,7 +25,7 @@ PROBE = ROOT / "probes" / "check_env.py"
 
 TOP_KEYS = {
     "schema_version", "probe", "python", "torch", "torch_error", "cuda_toolkit",
-    "transformer_engine", "cudnn", "nccl", "nvshmem", "ep_backend", "gpu",
+    "transformer_engine", "cudnn", "nccl", "nvshmem", "ep_backend", "gpu", "environment",
 }  # fmt: skip
 
 
@@ -59,6 +59,10 @@ def test_manifest_shape(manifest: tuple[str, dict]) -> None:
     _, m = manifest
     assert set(m) == TOP_KEYS
     assert m["probe"] == "check_env" and m["schema_version"] == 1
+    # Which venv it ran in (this test's runner has no make_venv record) and what came from
+    # outside it: the probe itself imports nothing from elsewhere.
+    assert m["environment"]["prefix"] == sys.prefix and m["environment"]["record"] is None
+    assert m["environment"]["loaded_outside_venv"]["modules"] == []
 
 
 def test_python_and_torch_match_this_interpreter(manifest: tuple[str, dict]) -> None:
