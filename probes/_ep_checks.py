@@ -1,11 +1,13 @@
 """The checks of check_ep that run the backend's kernels: dispatch+combine, backward, replay,
-bandwidth.
+scenarios, bandwidth.
 
-Why this module exists: these four steps are where a backend that imports and builds its
-buffer can still be wrong - a token routed to the wrong rank, one lost token, a wrong
-gradient, a replay that differs, a race that corrupts data only once calls come back to
-back. Each compares the backend's output with what ``_ep_reference`` derives from the inputs
-alone, token by token, and every call the probe makes (the timed ones too) is checked.
+Why this module exists: these steps are where a backend that imports and builds its buffer
+can still be wrong - a token routed to the wrong rank, one lost token, a wrong gradient (of
+either operation, even where the other undoes it), a replay that differs, routing that only
+some inputs break (``_ep_scenarios``), a race that corrupts data only once calls come back to
+back, an output in another dtype or layout. Each compares the backend's output with what
+``_ep_reference`` derives from the inputs alone, token by token, and every call the probe
+makes (the timed ones too, each with different activations) is checked.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ def prepare_checks(rt: Runtime, shape: Shape, args: argparse.Namespace) -> Check
     inputs = ref.make_inputs(shape, rt.env.rank, args.seed)
     g = ref.gather_global(inputs, rt.ep_group)
     local = shape.local_experts(rt.env.world)
-    tol = args.tolerance if args.tolerance is not None else ref.tolerance_for(shape.dtype)
+    tol = args.tolerance
+    if tol is None:
+        tol = ref.tolerance_for(shape.dtype, shape.topk)
     scales = ref.expert_scales(shape.experts, shape.device)
-    expected = ref.expected_for_rank(g, rt.env.rank, local)
+    expected = ref.expected_for_rank(g, rt.env.rank, local, scales)
     return CheckContext(
         shape=shape,
         local=local,
@@ -57,6 +61,13 @@ def prepare_checks(rt: Runtime, shape: Shape, args: argparse.Namespace) -> Check
         tolerance=tol,
         expected_combine=ref.expected_combine(inputs, scales),
     )
+
+
+def _bound_text(diff: float, tolerance: float) -> str:
+    """How close every token came: exact, or its worst difference within the bound."""
+    if tolerance == 0:
+        return "every token exactly equal to the reference"
+    return f"max per-token rel diff {diff:.2g} <= {tolerance:g}"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -71,11 +82,12 @@ def sync(rt: Runtime) -> None:
 
 
 def _expert_output(rt: Runtime, ctx: CheckContext, d: Any) -> Any:
-    """The stand-in experts applied to received rows: each row times its weighted scales."""
+    """The stand-in experts applied to received rows: each row times the weighted scales of
+    the token it names (from the reference routing), identity columns 0."""
     import _ep_reference as ref
 
-    scale = ref.row_scale(d.recv_topk_idx, d.recv_topk_weights, ctx.scales, rt.env.rank, ctx.local)
-    return (d.recv_x.float() * scale[:, None]).to(d.recv_x.dtype)
+    ids = ref.decode_ids(d.recv_x, ctx.global_routing)
+    return ref.expert_output(d.recv_x, ref.row_factor(ctx.expected, ids))
 
 
 def step_dispatch_combine(rt: Runtime, backend: EPBackend, ctx: CheckContext) -> Step:
@@ -86,30 +98,34 @@ def step_dispatch_combine(rt: Runtime, backend: EPBackend, ctx: CheckContext) ->
         inp = ctx.inputs
         d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
         sync(rt)
+        problems = ref.dispatch_contract(d, inp.x, ctx.shape.topk, ctx.local)
         check = ref.check_dispatch(d, ctx.global_routing, ctx.expected, ctx.local)
-        out = backend.combine(_expert_output(rt, ctx, d), d.handle)
+        y = _expert_output(rt, ctx, d)
+        out = backend.combine(y, d.handle)
         sync(rt)
-        diffs = ref.per_token_rel_diff(out.float(), ctx.expected_combine)
-        diff, token = ref.worst_token(diffs)
-        over = int((diffs > ctx.tolerance).sum()) if diffs.numel() else 0
+        problems += check.problems
+        problems += ref.tensor_contract(
+            "combine", out, ctx.shape.tokens, ctx.shape.hidden, y.dtype, y.device
+        )
+        c = ref.compare_tokens(out, ctx.expected_combine, ctx.tolerance)
         step.data = {
             "received": check.received,
             "expected": check.expected,
             "per_expert": check.per_expert,
             "expected_per_expert": check.expected_per_expert,
-            "rel_diff": diff,
-            "worst_token": token,
-            "tokens_over_tolerance": over,
+            "rel_diff": c.worst,
+            "worst_token": c.worst_token,
+            "tokens_over_tolerance": c.over,
+            "tokens_not_finite": c.nonfinite,
             "global_rel_diff": ref.rel_diff(out.float(), ctx.expected_combine),
             "tolerance": ctx.tolerance,
         }
-        problems = list(check.problems)
-        if not diff <= ctx.tolerance:
+        if not c.ok:
             problems.append(
-                f"combine: {over} of {ctx.shape.tokens} tokens differ from the top-k weighted "
-                f"sum by more than {ctx.tolerance:g} (worst: token {token}, relative difference "
-                f"{diff:.3g}, {_dtype_name(ctx.shape.dtype)}): combine does not return the "
-                "top-k weighted sum"
+                "combine: "
+                + ref.describe_tokens(c, "the top-k weighted sum", ctx.tolerance)
+                + f", {_dtype_name(ctx.shape.dtype)}: combine does not return the top-k "
+                "weighted sum"
             )
         if problems:
             raise StepFailed(
@@ -119,7 +135,7 @@ def step_dispatch_combine(rt: Runtime, backend: EPBackend, ctx: CheckContext) ->
                 "and report it with this JSON",
                 step.data,
             )
-        step.detail = f"{check.received} tokens received, counts match; rel diff {diff:.2g}"
+        step.detail = f"{check.received} tokens received, counts match; rel diff {c.worst:.2g}"
     return agree(rt, step, _summarize_dispatch_combine)
 
 
@@ -139,7 +155,7 @@ def _summarize_dispatch_combine(merged: Step, per_rank: list[Step]) -> None:
     if merged.status == Status.PASS:
         merged.detail = (
             f"tokens/rank {recv} match the reference; per-expert counts match; "
-            f"max per-token rel diff {diff:.2g} <= {datas[0]['tolerance']:g}"
+            + _bound_text(diff, datas[0]["tolerance"])
         )
 
 
@@ -174,44 +190,100 @@ def _autograd_functions() -> tuple[Any, Any]:
 
 
 def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int) -> Step:
-    """Gradient of sum(combine(expert(dispatch(x))) * g) w.r.t. x versus g * sum_k w_k s_k."""
+    """Gradient of sum(combine(expert(dispatch(x))) * g) w.r.t. x versus g * sum_k w_k s_k,
+    then each backward operation on its own (an error in one that the other undoes still
+    gives the experts wrong weight gradients)."""
     import _ep_reference as ref
-    import torch
 
     dispatch_fn, combine_fn = _autograd_functions()
     with timed_step("backward") as step:
-        inp = ctx.inputs
+        inp, shape = ctx.inputs, ctx.shape
+        mask = ref.id_mask(shape.hidden, shape.device)
         x = inp.x.detach().clone().requires_grad_(True)
         box: list[Any] = []
         recv = dispatch_fn.apply(x, backend, inp.topk_idx, inp.topk_weights, box)
         d = box[0]
-        scale = ref.row_scale(
-            d.recv_topk_idx, d.recv_topk_weights, ctx.scales, rt.env.rank, ctx.local
-        )
-        y = (recv.float() * scale[:, None]).to(recv.dtype)
+        factor = ref.row_factor(ctx.expected, ref.decode_ids(d.recv_x, ctx.global_routing))
+        y = (recv.float() * factor[:, None] * mask).to(recv.dtype)
         out = combine_fn.apply(y, backend, d.handle)
-        gen = torch.Generator(device=ctx.shape.device)
-        gen.manual_seed(seed * 1_000_003 + 7919 * (rt.env.rank + 1))
-        g = torch.randn(out.shape, generator=gen, device=ctx.shape.device)
-        (out.float() * g).sum().backward()
+        g = ref.output_grad(shape, shape.tokens, seed, rt.env.rank)
+        (out.float() * g.float()).sum().backward()
         sync(rt)
-        expected = g * ref.token_scale(inp, ctx.scales)[:, None]
-        if x.grad is None:
-            diff, token = float("inf"), -1
-        else:
-            diff, token = ref.worst_token(ref.per_token_rel_diff(x.grad.float(), expected))
-        step.data = {"grad_rel_diff": diff, "worst_token": token, "tolerance": ctx.tolerance}
-        if not diff <= ctx.tolerance:
+        scale = ref.token_scale(inp, ctx.scales)
+        expected = g.float() * scale[:, None] * mask
+        composite = ref.compare_tokens(x.grad, expected, ctx.tolerance)
+        problems = []
+        if not composite.ok:
+            problems.append(
+                "d/dx sum(combine(dispatch(x)) * g): "
+                + ref.describe_tokens(composite, "g * sum_k w_k * scale_k", ctx.tolerance)
+            )
+        separate = _backward_ops(rt, backend, ctx, seed)
+        problems += separate
+        step.data = {
+            "grad_rel_diff": composite.worst,
+            "worst_token": composite.worst_token,
+            "tokens_over_tolerance": composite.over,
+            "tolerance": ctx.tolerance,
+            "operations_checked": ["composite", "combine_backward", "dispatch_backward"],
+        }
+        if problems:
+            detail = "; ".join(problems)
+            if composite.ok and any(p.startswith("combine_backward") for p in separate):
+                detail += (
+                    "; the composite d/dx matches (the other operation undoes the error), but "
+                    "the experts' weight gradients come from combine_backward"
+                )
             raise StepFailed(
                 Status.FAIL,
-                f"gradient w.r.t. the tokens has relative difference {diff:.3g} > "
-                f"{ctx.tolerance:g} from g * sum_k w_k * scale_k (worst: token {token})",
+                detail,
                 "the backward of dispatch (a combine) or of combine (a cached dispatch) is "
                 "wrong; training with this backend would learn from wrong gradients",
                 step.data,
             )
-        step.detail = f"grad rel diff {diff:.2g}"
+        step.detail = f"grad rel diff {composite.worst:.2g}"
     return agree(rt, step, _summarize_backward)
+
+
+def _backward_ops(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int) -> list[str]:
+    """combine_backward and dispatch_backward alone, through a new dispatch of the routing."""
+    import _ep_reference as ref
+
+    inp, shape, g = ctx.inputs, ctx.shape, ctx.global_routing
+    d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+    sync(rt)
+    ids = ref.decode_ids(d.recv_x, g)
+    rows = int(d.recv_x.shape[0])
+    grad = ref.output_grad(shape, shape.tokens, seed, rt.env.rank, salt=104729)
+    grad_global = ref.gather_uneven(grad, g.counts, rt.ep_group)
+    want_rows = grad_global[ids.clamp(min=0)]
+    cb = backend.combine_backward(grad, d.handle)
+    sync(rt)
+    h = ref.expert_output(want_rows, ref.row_factor(ctx.expected, ids))
+    db = backend.dispatch_backward(h, d.handle)
+    sync(rt)
+    problems = []
+    found = ref.tensor_contract("combine_backward", cb, rows, shape.hidden, grad.dtype, grad.device)
+    if not found:
+        bad, first = ref.compare_rows(cb, want_rows)
+        if bad:
+            token = int(ids[first])
+            name = ref.name_row(g, token) if token >= 0 else "a row naming no token"
+            found.append(
+                f"{bad} of {rows} rows differ from the output gradient of their token "
+                f"(first: row {first}, {name})"
+            )
+    problems += [f"combine_backward (the gradient the experts get): {p}" for p in found]
+    want = grad.float() * ref.token_scale(inp, ctx.scales)[:, None]
+    want = want * ref.id_mask(shape.hidden, grad.device)
+    found = ref.tensor_contract(
+        "dispatch_backward", db, shape.tokens, shape.hidden, h.dtype, h.device
+    )
+    c = ref.compare_tokens(db, want, ctx.tolerance)
+    if not c.ok:
+        found.append(ref.describe_tokens(c, "the sum of its rows' gradients", ctx.tolerance))
+    problems += [f"dispatch_backward (the gradient the tokens get): {p}" for p in found]
+    return problems
 
 
 def _summarize_backward(merged: Step, per_rank: list[Step]) -> None:
@@ -220,8 +292,9 @@ def _summarize_backward(merged: Step, per_rank: list[Step]) -> None:
         merged.data["max_grad_rel_diff"] = max(diffs)
         if merged.status == Status.PASS:
             merged.detail = (
-                f"d/dx sum(combine(dispatch(x)) * g) matches the analytic gradient; "
-                f"max per-token rel diff {max(diffs):.2g} <= {per_rank[0].data['tolerance']:g}"
+                "d/dx sum(combine(dispatch(x)) * g) matches the analytic gradient, and "
+                "combine_backward and dispatch_backward each on their own; "
+                + _bound_text(max(diffs), per_rank[0].data["tolerance"])
             )
 
 
@@ -292,12 +365,118 @@ def _summarize_replay(merged: Step, per_rank: list[Step]) -> None:
             )
 
 
+def step_scenarios(
+    rt: Runtime, backend: EPBackend, ctx: CheckContext, args: argparse.Namespace
+) -> Step:
+    """The selected scenarios of ``_ep_scenarios``, each checked on every rank."""
+    import _ep_scenario_run
+    import _ep_scenarios as scen
+
+    with timed_step("scenarios") as step:
+        names = list(args.scenario_names)
+        tokens = scen.scenario_tokens(ctx.shape.tokens)
+        step.data = {
+            "selected": names,
+            "tokens_per_rank": tokens,
+            "tolerance": ctx.tolerance,
+            "seed": args.seed,
+            "scenarios": [],
+        }
+        if not names:
+            step.status = Status.INFO
+            step.detail = "no scenario selected (--scenarios none)"
+        else:
+            results = _ep_scenario_run.run_all(
+                rt, backend, ctx.shape, names, args.seed, ctx.tolerance
+            )
+            step.data["scenarios"] = results
+            statuses = {r["status"] for r in results}
+            bad = [r for r in results if r["status"] in (scen.FAIL, scen.ERROR)]
+            step.detail = _scenarios_detail(results, tokens)
+            if bad:
+                raise StepFailed(
+                    Status.ERROR if scen.ERROR in statuses else Status.FAIL,
+                    step.detail,
+                    SCENARIO_HINT,
+                    step.data,
+                )
+    return agree(rt, step, _summarize_scenarios)
+
+
+SCENARIO_HINT = (
+    "the backend is wrong for inputs training presents (docs/probes.md, Scenarios): rerun "
+    "one alone with --scenarios NAME and the same --seed to reproduce it, compare with "
+    "--backend torch, and report it with this JSON"
+)
+
+
+def _scenarios_detail(results: list[dict[str, Any]], tokens: int) -> str:
+    """One line: what failed first (with its rank), what passed, what does not apply."""
+    import _ep_scenarios as scen
+
+    def names(status: str) -> list[str]:
+        return [r["name"] for r in results if r["status"] == status]
+
+    parts = []
+    for r in results:
+        if r["status"] in (scen.FAIL, scen.ERROR):
+            where = f" on rank {r['rank']}" if r.get("rank") is not None else ""
+            word = "failed" if r["status"] == scen.FAIL else "stopped"
+            parts.append(f"{r['name']} {word}{where} (seed {r['seed']}): {r['detail']}")
+    passed = names(scen.PASS)
+    if passed:
+        parts.append(
+            f"{len(passed)} passed on every rank: {', '.join(passed)} ({tokens} tokens/rank)"
+        )
+    parts += [
+        r["detail"].replace("not applicable", f"{r['name']} not applicable", 1)
+        for r in results
+        if r["status"] == scen.NOT_APPLICABLE
+    ]
+    if names(scen.NOT_RUN):
+        parts.append(f"not run: {', '.join(names(scen.NOT_RUN))}")
+    return "; ".join(parts)
+
+
+def _summarize_scenarios(merged: Step, per_rank: list[Step]) -> None:
+    """Each scenario merged over ranks: the worst status, the first bad rank's detail."""
+    import _ep_scenarios as scen
+    from _report import one_line
+
+    lists = [s.data.get("scenarios") for s in per_rank]
+    if not lists or any(not isinstance(x, list) for x in lists) or not lists[0]:
+        return
+    merged_results = []
+    for i, first in enumerate(lists[0]):
+        entries = [lst[i] for lst in lists if i < len(lst)]
+        worst = max(entries, key=lambda e: scen.SEVERITY.get(e["status"], 0))
+        out = {k: v for k, v in first.items() if k not in ("problems",)}
+        out["status"] = worst["status"]
+        out["detail"] = worst["detail"]
+        if worst["status"] in (scen.FAIL, scen.ERROR):
+            bad = [r for r, e in enumerate(entries) if e["status"] == worst["status"]]
+            out["rank"] = bad[0]
+            out["failed_ranks"] = bad
+            out["problems"] = worst.get("problems", [])
+        if "tokens" in first:
+            out["tokens_per_rank"] = [e.get("tokens") for e in entries]
+            out["received_per_rank"] = [e.get("received") for e in entries]
+            out.pop("tokens", None)
+            out.pop("received", None)
+        merged_results.append(out)
+    merged.data["scenarios"] = merged_results
+    tokens = per_rank[0].data.get("tokens_per_rank", 0)
+    merged.detail = one_line(_scenarios_detail(merged_results, tokens))
+
+
 def step_bandwidth(
     rt: Runtime, backend: EPBackend, ctx: CheckContext, args: argparse.Namespace
 ) -> Step:
     """GB/s of dispatch and combine (received bytes / median time) and of a device copy.
 
-    Every timed call's output is checked after its timing ends: dispatch for the tokens
+    Every call gets new activations (the same tokens' payload times a power of two that
+    changes from call to call, prepared before its timing starts), so no backend can answer
+    from a cache, and every output is checked after its timing ends: dispatch for the tokens
     routed here, bit-exact, combine token by token against the reference.
     """
     import _ep_reference as ref
@@ -310,25 +489,37 @@ def step_bandwidth(
         rows = int(d.recv_x.shape[0])
         nbytes = rows * ctx.shape.hidden * d.recv_x.element_size()
 
-        def dispatch_wrong(out: Any) -> Any:
-            return ref.dispatch_wrong(out.recv_x, ctx.global_routing, ctx.expected)
+        def dispatch_wrong(i: int, out: Any) -> Any:
+            f = ref.call_factor(i)
+            return ref.dispatch_wrong(out.recv_x, ctx.global_routing, ctx.expected, f)
 
-        def combine_wrong(out: Any) -> Any:
-            diffs = ref.per_token_rel_diff(out.float(), ctx.expected_combine)
-            return (diffs > ctx.tolerance).any()
+        def combine_wrong(i: int, out: Any) -> Any:
+            want = ctx.expected_combine * ref.call_factor(i)
+            if out.shape != want.shape:
+                return torch.ones((), dtype=torch.bool, device=want.device)
+            return (ref.per_token_rel_diff(out.float(), want) > ctx.tolerance).any()
 
-        def dispatch_again() -> Any:
-            return backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
-
-        t_dispatch, bad_dispatch = _bench(rt, dispatch_again, args, dispatch_wrong)
+        t_dispatch, bad_dispatch = _bench(
+            rt,
+            lambda i: ref.scale_payload(inp.x, ref.call_factor(i)),
+            lambda x: backend.dispatch(x, inp.topk_idx, inp.topk_weights),
+            args,
+            dispatch_wrong,
+        )
         t_combine, bad_combine = _bench(
-            rt, lambda: backend.combine(y, d.handle), args, combine_wrong
+            rt,
+            lambda i: y * ref.call_factor(i),
+            lambda y_i: backend.combine(y_i, d.handle),
+            args,
+            combine_wrong,
         )
         src = torch.empty(
             max(nbytes // d.recv_x.element_size(), 1), dtype=d.recv_x.dtype, device=rt.device
         )
         dst = torch.empty_like(src)
-        t_copy, _ = _bench(rt, lambda: dst.copy_(src), args, None, collective=False)
+        t_copy, _ = _bench(
+            rt, lambda i: None, lambda _: dst.copy_(src), args, None, collective=False
+        )
         copy_bytes = src.numel() * src.element_size()
         shared = rt.placement.shared
         data: dict[str, Any] = {
@@ -361,10 +552,11 @@ def step_bandwidth(
             data["wrong_calls"] = {"dispatch": bad_dispatch, "combine": bad_combine}
             raise StepFailed(
                 Status.FAIL,
-                "; ".join(wrong),
+                "; ".join(wrong) + " (each call had new activations: a result served from "
+                "an earlier call is wrong, and its time is not a bandwidth)",
                 "where only later calls are wrong, results change when calls follow each "
-                "other quickly (a race: data read before it landed); do not train with this "
-                "backend and report it with this JSON",
+                "other quickly (a race: data read before it landed) or come from a cache; do "
+                "not train with this backend and report it with this JSON",
                 data,
             )
         slow = [
@@ -442,24 +634,29 @@ def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
 
 def _bench(
     rt: Runtime,
-    fn: Callable[[], Any],
+    prepare: Callable[[int], Any],
+    fn: Callable[[Any], Any],
     args: argparse.Namespace,
-    is_wrong: Callable[[Any], Any] | None,
+    is_wrong: Callable[[int, Any], Any] | None,
     collective: bool = True,
 ) -> tuple[float, list[int]]:
-    """Median seconds of ``fn`` after warm-up, and the calls whose output ``is_wrong``.
+    """Median seconds of ``fn(prepare(i))`` after warm-up, and the calls ``is_wrong(i, out)``.
 
-    The check is queued after each call's end event, so it is never part of the timing.
+    Call ``i``'s input is prepared before its timing starts, and its check is queued after its
+    end event, so neither is part of the timing.
     """
     import torch
     import torch.distributed as dist
 
     flags: list[Any] = []
+    calls = 0
 
     def call() -> None:
-        out = fn()
+        nonlocal calls
+        out = fn(prepare(calls))
         if is_wrong is not None:
-            flags.append(is_wrong(out))
+            flags.append(is_wrong(calls, out))
+        calls += 1
 
     for _ in range(args.warmup):
         call()
@@ -468,21 +665,23 @@ def _bench(
         dist.barrier(group=rt.ctrl_group)
     times: list[float] = []
     for _ in range(args.iters):
+        inp = prepare(calls)
         if rt.use_gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = fn()
+            out = fn(inp)
             end.record()
             if is_wrong is not None:
-                flags.append(is_wrong(out))
+                flags.append(is_wrong(calls, out))
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
-            out = fn()
+            out = fn(inp)
             times.append(time.perf_counter() - t0)
             if is_wrong is not None:
-                flags.append(is_wrong(out))
+                flags.append(is_wrong(calls, out))
+        calls += 1
     sync(rt)
     bad = [i for i, flag in enumerate(flags) if bool(flag)]
     return statistics.median(times), bad

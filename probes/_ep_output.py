@@ -42,6 +42,10 @@ def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str
             f"tokens/rank {s['tokens']}, hidden {s['hidden']}, experts {s['experts']} "
             f"({s['experts'] // env.world}/rank), top-{s['topk']}, seed {meta.get('seed')}"
         )
+    scen = meta.get("scenarios")
+    if scen is not None:
+        chosen = ", ".join(scen["selected"]) or "none (--scenarios none)"
+        lines.append(f"scenarios {chosen} ({scen['tokens_per_rank']} tokens/rank)")
     return lines
 
 
@@ -109,6 +113,9 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
     rp = by_name.get("replay", {})
     if "rows_per_call_per_rank" in rp or "rows_per_call" in rp:
         out["replay_rows_per_call"] = rp.get("rows_per_call_per_rank", [rp.get("rows_per_call")])
+    scen = by_name.get("scenarios", {})
+    if scen.get("scenarios"):
+        out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
     band = by_name.get("bandwidth", {})
     keys = ("dispatch_gbs", "combine_gbs", "copy_gbs", "dispatch_vs_copy", "combine_vs_copy")
     split = ("dispatch_nvl_gbs", "dispatch_rdma_gbs", "combine_nvl_gbs", "combine_rdma_gbs")
@@ -144,6 +151,8 @@ _HINTS = {
 def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -> str:
     who = f"rank {rank}" if world > 1 or outcome["how"] == "signal" else "the backend process"
     step = outcome.get("step") or "import"
+    if outcome.get("scenario"):
+        step += f" (scenario {outcome['scenario']})"
     where = f" at {outcome['where']}" if outcome.get("where") else ""
     if outcome["how"] == "signal":
         return f"{who} died with {outcome['signal']} during {step}{where}"
@@ -196,6 +205,11 @@ def report_unfinished(
         hint=_HINTS[failure["how"]],
         data={"failure": {"rank": rank, **failure}},
     )
+    if current == "scenarios" and rank == env.rank:
+        finished = own.progress.get("scenario_results") or []
+        name = str(failure.get("scenario") or "").split(":", 1)[0]
+        crashed = {"name": name, "status": "error", "detail": detail}
+        step.data["scenarios"] = [*finished, crashed]
     static = next((d.data.get("static_libstdcxx") for d in done if d.name == "prerequisites"), None)
     if failure["how"] == "signal" and static:
         step.hint = (

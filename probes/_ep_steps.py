@@ -32,6 +32,7 @@ STEP_NAMES = (
     "dispatch_combine",
     "backward",
     "replay",
+    "scenarios",
     "bandwidth",
 )
 
@@ -42,7 +43,7 @@ def not_run(name: str, gate: Step) -> Step:
 
 def begin(name: str, steps: list[Step]) -> None:
     """Leave a breadcrumb: if the backend kills or hangs the process, the supervisor says where."""
-    _supervise.progress.update(current=name, steps=[s.to_json() for s in steps])
+    _supervise.progress.update(current=name, scenario=None, steps=[s.to_json() for s in steps])
 
 
 def guarded(name: str, check: Callable[[], Step]) -> Step:
@@ -91,6 +92,7 @@ def run_steps(
         ("dispatch_combine", lambda: _ep_checks.step_dispatch_combine(rt, backend, ctx)),
         ("backward", lambda: _ep_checks.step_backward(rt, backend, ctx, args.seed)),
         ("replay", lambda: _ep_checks.step_replay(rt, backend, ctx, args.replays)),
+        ("scenarios", lambda: _ep_checks.step_scenarios(rt, backend, ctx, args)),
         ("bandwidth", lambda: _ep_checks.step_bandwidth(rt, backend, ctx, args)),
     ]
     for name, check in checks:

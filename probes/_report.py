@@ -218,11 +218,11 @@ def exit_code_of(steps: Iterable[Step], require: bool = False) -> int:
     return code
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically, world-readable and on disk
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, fsync: bool = True) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically, world-readable and (``fsync``) on disk
     (ep_image/project.py): a reader (CI, a dashboard) never sees a half-written report, even if
     the probe is killed."""
-    write_json(Path(path), obj, sort_keys=False, default=str, fsync=True)
+    write_json(Path(path), obj, sort_keys=False, default=str, fsync=fsync)
 
 
 def format_seconds(seconds: float) -> str:

@@ -80,6 +80,7 @@ class Outcome:
             "how": self.how,
             "code": self.code,
             "step": self.step,
+            "scenario": self.progress.get("scenario"),
             "steps": self.progress.get("steps", []),
             "signal": self.signal_name,
             "exit_status": self.exit_status,
@@ -126,7 +127,9 @@ class Progress:
             fields.setdefault("started", time.time())
         self.state.update(fields)
         if self.path is not None:
-            write_json_atomic(self.path, self.state)
+            # Read by the parent on this machine: atomic is enough, no fsync (it is written
+            # before every backend call of the scenarios).
+            write_json_atomic(self.path, self.state, fsync=False)
 
 
 #: The current process's breadcrumb (set in the supervised child).

@@ -13,8 +13,11 @@ group, and checks every result against a reference computed independently in pla
                     returns the top-k weighted sum for every token
   backward          gradient through dispatch and combine equals the analytic one
   replay            repeated dispatch of the same routing returns the same tokens and bits
-  bandwidth         dispatch and combine GB/s after warm-up (every call checked), beside a
-                    device copy's GB/s
+  scenarios         the routing training produces (_ep_scenarios): changing, skewed and
+                    dropped routing, ranks with different token counts, new activations
+                    through a layout; every operation and its output contract checked
+  bandwidth         dispatch and combine GB/s after warm-up (every call with new activations,
+                    every call checked), beside a device copy's GB/s
 
 Run it as a plain process (one rank), under ``torchrun --nproc-per-node N``, or with
 ``--nproc-per-node N`` to let the probe start N local ranks through torchrun's launcher (its
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ep_detect
 import _ep_launch
 import _ep_output
+import _ep_scenarios
 import _supervise
 from _ep_board import Board
 from _ep_dist import (
@@ -78,9 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Prove that an expert-parallel backend works on this machine: build its buffer, "
-            "run dispatch and combine on random MoE routing, and check counts, payloads, the "
-            "combined sum, gradients, replay determinism and bandwidth against a plain-torch "
-            "reference."
+            "run dispatch and combine on random MoE routing and on the routing training "
+            "produces (scenarios), and check counts, payloads, the combined sum, each "
+            "gradient, the outputs' dtype and layout, replay determinism and bandwidth "
+            "against a plain-torch reference."
         ),
         epilog="""\
 how to run:
@@ -89,6 +94,9 @@ how to run:
   python probes/check_ep.py --nproc-per-node 4 --backend torch   starts 4 local ranks itself
   python probes/check_ep.py --nproc-per-node 2 --ranks-per-gpu 2
                                                             2 ranks sharing 1 GPU (functional)
+  python probes/check_ep.py --scenarios uneven --seed 3     one scenario, reproduced
+
+scenarios (--scenarios): changing, skewed, dropped, uneven, reuse; see docs/probes.md
 
 exit codes (all ranks agree):
   0 all passed   1 a check failed (wrong numbers)   2 bad usage
@@ -134,7 +142,19 @@ the table's last line and in the JSON report's exit_code.
         help="where the torch backend runs; auto: cuda when a GPU is visible. DeepEP backends "
         "always need cuda (default: auto)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed; every scenario's own seed derives from it (default: 0)",
+    )
+    parser.add_argument(
+        "--scenarios",
+        default="all",
+        metavar="LIST",
+        help="scenarios to run after the layer-shape checks: all, none, or a comma list of "
+        f"{', '.join(_ep_scenarios.NAMES)} (default: all)",
+    )
     parser.add_argument(
         "--replays",
         type=int,
@@ -216,6 +236,10 @@ def validate_static(args: argparse.Namespace, world: int) -> None:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if args.ranks_per_gpu < 1:
         raise UsageError(f"--ranks-per-gpu must be >= 1, got {args.ranks_per_gpu}")
+    try:
+        args.scenario_names = _ep_scenarios.parse(args.scenarios)
+    except ValueError as exc:
+        raise UsageError(f"--scenarios: {exc}") from None
     validate_shape(args.tokens, args.hidden, args.experts, args.topk, world)
 
 
@@ -414,7 +438,9 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
             "run one rank per GPU (drop --ranks-per-gpu, or start at most as many ranks as "
             "GPUs)"
         )
-    sizes = resolve_shape(args, backend.requires_gpu or wants_gpu, env.world)
+    # The shape of the device the rank actually got: a GPU backend on a machine without one
+    # runs (and is reported) on the CPU shape.
+    sizes = resolve_shape(args, placement.use_gpu, env.world)
     dtype_name = args.dtype
     if dtype_name == "auto":
         dtype_name = "bfloat16" if backend.requires_gpu or wants_gpu else "float32"
@@ -431,6 +457,11 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
         "dtype": dtype_name,
         "shape": sizes,
         "seed": args.seed,
+        "scenarios": {
+            "selected": args.scenario_names,
+            "tokens_per_rank": min(sizes["tokens"], _ep_scenarios.SCENARIO_TOKENS),
+            "seeds": {n: _ep_scenarios.scenario_seed(args.seed, n) for n in args.scenario_names},
+        },
         "ranks_per_gpu": placement.ranks_per_gpu,
         "shared_gpu": placement.shared,
         "process_group": placement.group_backend,

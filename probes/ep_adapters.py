@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from _ep_detect import registry
+from _ep_scenarios import DROPPED_SLOTS, INPUT_CLASSES, UNEVEN_TOKENS  # noqa: F401
 from _report import UsageError
 
 
@@ -90,6 +91,10 @@ class EPBackend(abc.ABC):
     min_nccl: ClassVar[tuple[int, int] | None] = None
     #: Builds NCCL communicators from the group: cannot run with ranks sharing a GPU.
     needs_nccl_group: ClassVar[bool] = False
+    #: Input classes (keys of ``INPUT_CLASSES``) the backend's documented API does not
+    #: take, each with the reason; check_ep reports the scenarios that need one as "not
+    #: applicable to <backend>: <reason>" instead of running them.
+    input_limits: ClassVar[dict[str, str]] = {}
 
     def load(self) -> dict[str, Any]:
         """Import what the backend needs; return facts for the report (module path...)."""
@@ -181,7 +186,7 @@ class TorchBackend(EPBackend):
     def _max_tokens(self, tokens: int, device: torch.device) -> int:
         count = torch.tensor([tokens], dtype=torch.int64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        return int(count.item())
+        return max(int(count.item()), 1)  # a padding row when no rank holds a token
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -454,6 +459,12 @@ class HybridEPBackend(EPBackend):
 
     name = ""  # the registry's name, set below (ADAPTER_OF)
     jit_compiles = True
+    input_limits: ClassVar[dict[str, str]] = {
+        UNEVEN_TOKENS: "HybridEPBuffer.dispatch takes one token count for every rank (it "
+        "all-gathers the routing map as num_of_tokens_per_rank x ranks rows, "
+        "Executor::allgather_routing_map at e0a5b1d9), so every rank must pass the same "
+        "number of tokens",
+    }
 
     def load(self) -> dict[str, Any]:
         self.deep_ep = _import_deep_ep()
@@ -474,11 +485,18 @@ class HybridEPBackend(EPBackend):
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> Dispatched:
+        route: dict[str, Any] = {
+            "topk_idx": topk_idx.to(torch.int64),
+            "topk_weights": topk_weights.float(),
+        }
+        if bool((topk_idx < 0).any()):
+            # HybridEP's index API scatters topk_idx into a [tokens, experts] map, where -1 is
+            # out of range; a slot that routes nowhere is a False in the routing map, which
+            # its dispatch takes directly (the form Megatron passes).
+            routing_map, probs = _topk_to_routing_map(topk_idx, topk_weights, self.shape.experts)
+            route = {"routing_map": routing_map, "probs": probs}
         recv_x, recv_probs, _, handle = self.buffer.dispatch(
-            hidden=x,
-            topk_idx=topk_idx.to(torch.int64),
-            topk_weights=topk_weights.float(),
-            num_of_experts=self.shape.experts,
+            hidden=x, num_of_experts=self.shape.experts, **route
         )
         # handle = (sparse_to_dense_map, rdma_to_attn_map, attn_to_rdma_map,
         #           num_dispatched_tokens_tensor, local_expert_routing_map, tokens, config)
@@ -509,6 +527,24 @@ class HybridEPBackend(EPBackend):
             hidden=x, num_of_experts=self.shape.experts, handle=handle.raw
         )
         return recv_x[: handle.rows]
+
+
+def _topk_to_routing_map(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing (``-1``: no expert) as HybridEP's ``[tokens, experts]`` bool routing map
+    and float32 probs, the tensors its ``indices_to_map`` builds from valid indices."""
+    idx = topk_idx.to(torch.int64)
+    valid = idx >= 0
+    # Slots with idx -1 go to a spare last column, dropped at the end.
+    slot = torch.where(valid, idx, torch.full_like(idx, experts))
+    rows = idx.shape[0]
+    routing = torch.zeros((rows, experts + 1), dtype=torch.bool, device=idx.device)
+    routing.scatter_(1, slot, True)
+    probs = torch.zeros((rows, experts + 1), dtype=torch.float32, device=idx.device)
+    weights = torch.where(valid, topk_weights.float(), torch.zeros_like(topk_weights.float()))
+    probs.scatter_(1, slot, weights)
+    return routing[:, :experts].contiguous(), probs[:, :experts].contiguous()
 
 
 def _routing_map_to_topk(
