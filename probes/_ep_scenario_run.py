@@ -84,6 +84,8 @@ class Layout:
     d: Any = None
     ids: Any = None  # [rows] global ids the received rows name
     factor: Any = None  # [rows] the stand-in experts' factor of each received row
+    out: Any = None  # what combine returned
+    kept: tuple[Any, Any] = (None, None)  # copies of recv_x and of out, taken at once
 
 
 @dataclasses.dataclass
@@ -148,6 +150,8 @@ def _forward(run: Run, index: int, tokens: int, router: Router | None) -> Layout
     out = run.call(f"{tag} combine", backend.combine, y, lay.d.handle)
     want = expected_combine(inputs, run.scales)
     run.check(f"{tag} combine", _tokens_problems, run, out, want, y.dtype, "combine")
+    lay.out = out
+    lay.kept = (_copy(lay.d.recv_x), _copy(out))
     return lay
 
 
@@ -182,6 +186,28 @@ def _backward(run: Run, lay: Layout) -> None:
     scale = token_scale(lay.inputs, run.scales)
     want = grad.float() * scale[:, None] * id_mask(shape.hidden, grad.device)
     run.check(where, _tokens_problems, run, db, want, h.dtype, "dispatch_backward")
+    run.check(f"{tag} outputs", _kept_problems, lay)
+
+
+def _copy(t: Any) -> Any:
+    return t.clone() if isinstance(t, torch.Tensor) else None
+
+
+def _kept_problems(lay: Layout) -> list[str]:
+    """The layout's dispatch and combine outputs, after every later call of the scenario, still
+    hold what they held when returned (an MoE layer keeps its expert input and output for the
+    backward pass; memory a later call reuses would corrupt the weight gradients)."""
+    found = []
+    for op, now, then in (
+        ("dispatch", lay.d.recv_x, lay.kept[0]),
+        ("combine", lay.out, lay.kept[1]),
+    ):
+        if then is not None and isinstance(now, torch.Tensor) and not torch.equal(now, then):
+            found.append(
+                f"what {op} returned changed after later calls (memory the backend reuses): a "
+                "layer's saved activations would be overwritten before its backward pass"
+            )
+    return found
 
 
 def _dispatch_problems(run: Run, lay: Layout) -> list[str]:
@@ -260,6 +286,7 @@ def run_one(
     result: dict[str, Any] = {
         "name": scenario.name,
         "seed": seed,
+        "input": scenario.exercises,
         "status": FAIL if run.problems else PASS,
         "detail": "",
         "tokens": [lay.inputs.x.shape[0] for lay in layouts],
@@ -288,7 +315,7 @@ def run_all(
     for name in names:
         scenario = BY_NAME[name]
         seed = scenario_seed(base_seed, name)
-        entry: dict[str, Any] = {"name": name, "seed": seed}
+        entry: dict[str, Any] = {"name": name, "seed": seed, "input": scenario.exercises}
         reason = not_applicable(backend, scenario)
         if stopped is not None:
             entry.update(status=NOT_RUN, detail=f"not run: {stopped} raised")

@@ -25,8 +25,10 @@ handle, the two backward operations on their own: the gradient the experts get
 get (``dispatch_backward``, a combine of the experts' gradients). Each output is checked on
 every rank against ``_ep_reference`` (counts, token ids, payload bits, routing, exact sums)
 and against the output contract (the input's dtype, ``[rows, hidden]``, contiguous, same
-device). Inputs come from a seed per scenario (recorded in the report) and the rank and
-layout, so a failure reproduces with the same ``--seed``.
+device); after the scenario's later calls, what dispatch and combine returned must still hold
+the same values (a layer keeps them for its backward pass). Inputs come from a seed per
+scenario (recorded in the report), the rank and the layout, so a failure reproduces with the
+same ``--seed``.
 
 This module is the table (importable without torch, so the command line can name the
 scenarios before torch loads); ``_ep_scenario_run`` runs them.

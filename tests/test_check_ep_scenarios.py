@@ -37,6 +37,7 @@ def scenario_results(run) -> dict[str, dict]:
     [
         # At one rank every layout delivers every token in order, so a stale layout hides.
         ("KeepsPreviousLayout", 2, "changing", "layout 2 combine_backward"),
+        ("ReusesDispatchBuffer", 1, "changing", "layout 2 outputs: what dispatch returned"),
         ("DropsHotExpertTokens", 1, "skewed", "layout 0 dispatch: local expert"),
         ("MishandlesDroppedSlots", 1, "dropped", "layout 0 dispatch: received"),
         ("BreaksOnEmptyRank", 2, "uneven", "layout 0"),
