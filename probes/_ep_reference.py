@@ -534,14 +534,6 @@ def compare_rows(out: Any, want: torch.Tensor) -> tuple[int, int]:
     return int(bad.sum()), int(bad.nonzero()[0, 0])
 
 
-def worst_token(diffs: torch.Tensor) -> tuple[float, int]:
-    """The largest per-token difference and the token it belongs to (-1 for no tokens)."""
-    if diffs.numel() == 0:
-        return 0.0, -1
-    value, index = diffs.max(dim=0)
-    return float(value), int(index)
-
-
 def dispatch_wrong(
     recv_x: torch.Tensor, g: GlobalRouting, exp: Expected, factor: float = 1.0
 ) -> torch.Tensor:
