@@ -41,6 +41,9 @@ ALL = "all"
 #: What ``build_needs`` may hold. NVSHMEM: the source build links NVSHMEM from NVSHMEM_DIR;
 #: scripts/make_venv.py points that at the venv's own nvidia-nvshmem (ep_image/nvshmem.py).
 NVSHMEM = "nvshmem"
+#: NCCL: the source build links ``-l:libnccl.so.2`` without a ``-L`` for it (DeepEP v2's
+#: setup.py at af9a0403); make_venv puts the venv's own nvidia-nccl on that build's LIBRARY_PATH.
+NCCL = "nccl"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Variant:
     extra: str
     distribution: str
     summary: str
+    #: Build-time needs of this source (see NVSHMEM, NCCL), in place of the backend's.
+    build_needs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ SPECS: tuple[BackendSpec, ...] = (
                     "upstream DeepEP at the seed's pinned commit, built from source (nvcc, "
                     "NCCL >= 2.30 from the lock) instead of SGLang's wheel"
                 ),
+                build_needs=(NCCL,),
             ),
         ),
     ),
@@ -405,7 +411,7 @@ def _backend(pyproject: dict, backend_spec: BackendSpec, variant: Variant | None
         extra=extra,
         distribution=distribution,
         marker_file=backend_spec.marker_file,
-        build_needs=backend_spec.build_needs,
+        build_needs=variant.build_needs if variant else backend_spec.build_needs,
         requirements=tuple(reqs),
         requirement=_requirement_for(reqs, distribution),
         git=git,

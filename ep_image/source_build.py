@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -158,6 +159,62 @@ def link_stubs(env: dict[str, str], scratch: Path, names: tuple[str, ...]) -> di
     }
 
 
+#: ``make`` for a build whose setup.py runs ``make -j`` with no job count (HybridEP's multi-node
+#: branch builds NCCL that way): a bare ``-j`` becomes ``-j$EP_MAKE_JOBS``. Unbounded, make
+#: started over a hundred nvcc and cc1plus processes on a 2-core, 24 GiB build machine and used
+#: up its memory.
+MAKE_WRAPPER = """#!/bin/sh
+# Written by ep_image/source_build.py: a bare -j (unlimited jobs) is bounded by EP_MAKE_JOBS.
+n=$#
+i=0
+while [ "$i" -lt "$n" ]; do
+    a=$1
+    shift
+    if [ "$a" = "-j" ] || [ "$a" = "--jobs" ]; then
+        a="-j$EP_MAKE_JOBS"
+    fi
+    set -- "$@" "$a"
+    i=$((i + 1))
+done
+exec "$EP_REAL_MAKE" "$@"
+"""
+
+
+def bounded_make(env: dict[str, str], scratch: Path) -> dict[str, str]:
+    """PATH with ``scratch/bin/make`` first: the real make, with a bare ``-j`` bounded by
+    MAX_JOBS (else the machine's core count); {} where there is no make to wrap."""
+    real = shutil.which("make", path=env.get("PATH", os.defpath))
+    if real is None:
+        return {}
+    jobs = env.get("MAX_JOBS", "").strip()
+    if not jobs.isdigit() or int(jobs) < 1:
+        jobs = str(os.cpu_count() or 1)
+    bindir = scratch / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    wrapper = bindir / "make"
+    wrapper.write_text(MAKE_WRAPPER)
+    wrapper.chmod(0o755)
+    path = os.pathsep.join(filter(None, [str(bindir), env.get("PATH", "")]))
+    return {"PATH": path, "EP_REAL_MAKE": real, "EP_MAKE_JOBS": jobs}
+
+
+class LinkError(RuntimeError):
+    """A library the build links is not in the venv; the message names the fix."""
+
+
+def nccl_link(venv_site: Path, env: dict[str, str]) -> dict[str, str]:
+    """LIBRARY_PATH with the venv's ``nvidia/nccl/lib`` first, for a build that links
+    ``-l:libnccl.so.2`` without saying where (the same NCCL the venv loads at run time, where
+    torch has already loaded it by its soname)."""
+    lib = venv_site / "nvidia" / "nccl" / "lib"
+    if not (lib / "libnccl.so.2").exists():
+        raise LinkError(
+            f"{lib}/libnccl.so.2 is missing, which the backend's build links. Fix: keep "
+            "nvidia-nccl-cu13 in the venv (not in VENV_SKIP_PACKAGES / --no-install-package)"
+        )
+    return {"LIBRARY_PATH": os.pathsep.join(filter(None, [str(lib), env.get("LIBRARY_PATH", "")]))}
+
+
 def build_key(env: dict[str, str], variables: dict[str, str]) -> dict[str, str | None]:
     """The inputs that decide the compiled result, beyond the source and the lock."""
     key: dict[str, str | None] = {name: env.get(name) for name in KEYED_ENVIRONMENT}
@@ -210,9 +267,11 @@ def refresh_cache(
             previous = "unreadable"
     state = "first" if previous is None else ("unchanged" if previous == digest else "changed")
     if state == "changed":
+        # uv waits for every other uv process on this cache (a `uv run` this runs under never
+        # ends first): give up after a minute instead of uv's default five.
         clean = subprocess.run(
-            [uv, "cache", "clean", distribution], env=env, capture_output=True, text=True,
-            timeout=900, check=False,
+            [uv, "cache", "clean", distribution], env={"UV_LOCK_TIMEOUT": "60", **env},
+            capture_output=True, text=True, timeout=900, check=False,
         )  # fmt: skip
         if clean.returncode != 0:
             raise CacheError(

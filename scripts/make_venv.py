@@ -42,13 +42,16 @@ so and names the two fixes: network to GitHub, or a mirror through git's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +73,7 @@ TE_DISTRIBUTIONS = (TE_DISTRIBUTION, "transformer-engine-torch", "transformer-en
 TE_EXTRA = "te"  # TE's runtime dependencies and cuDNN, from the lock
 EXIT_BUILD_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl-C
 _GIT_FAILURE_SIGNS = ("git operation failed", "failed to clone", "failed to fetch commit")
 
 
@@ -194,8 +198,70 @@ def pip_check(uv: str, venv: Path, project: Path) -> dict[str, object]:
 
 
 def stale_temp_dirs(prefix: Path, backend: str) -> list[Path]:
-    """Temporary build dirs an interrupted run of this backend left in the prefix."""
-    return sorted(p for p in prefix.glob(f".{backend}.tmp-*") if p.is_dir())
+    """What an interrupted run of this backend left in the prefix: its temporary build dir, or
+    the replaced venv a kill during the final rename kept (``move_into_place``)."""
+    found = [*prefix.glob(f".{backend}.tmp-*"), *prefix.glob(f".{backend}.old-*")]
+    return sorted(p for p in found if p.is_dir() and not p.is_symlink())
+
+
+def lock_path(prefix: Path, backend: str) -> Path:
+    return prefix / f".make_venv-{backend}.lock"
+
+
+@contextlib.contextmanager
+def building(prefix: Path, backend: str) -> Iterator[None]:
+    """Hold ``<prefix>/.make_venv-<backend>.lock`` while ``backend`` is built there.
+
+    Why: a second build of the same venv into the same prefix would take the first one's live
+    temporary directory for an interrupted build's and delete it. It fails at once instead,
+    naming the build that holds the lock. The file is removed when the build ends; a lock taken
+    on a file that was removed meanwhile is retaken on the new one.
+    """
+    path = lock_path(prefix, backend)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise BuildError(
+                f"{backend}: another make_venv (pid {holder}) is building it into {prefix}. "
+                "Fix: wait for that build to end, or build into another --prefix"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def prepare_prefix(prefix: Path) -> None:
+    """Make ``prefix`` or say, in one line, why it cannot be used."""
+    try:
+        if prefix.exists() and not prefix.is_dir():
+            raise BuildError(f"--prefix {prefix} is a file, not a directory. Fix: pass a directory")
+        prefix.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(
+            f"cannot create --prefix {prefix}: {exc.strerror}. Fix: pass a directory you can "
+            "write, or create it with the right owner first"
+        ) from None
+    if not os.access(prefix, os.W_OK | os.X_OK):
+        raise BuildError(
+            f"--prefix {prefix} is not writable by this user. Fix: pass a directory you can "
+            "write (e.g. under $HOME or a scratch file system), or fix its permissions"
+        )
 
 
 def new_temp_dir(prefix: Path, backend: str) -> Path:
@@ -250,10 +316,11 @@ def sync_backend(
     te: bool,
     inexact: bool = False,
 ) -> dict[str, object] | None:
-    """Sync the backend's extra into ``venv``; returns the NVSHMEM record, if it needed one.
+    """Sync the backend's extra into ``venv``; returns the build set-up record, if it needed one.
 
-    A backend whose build needs NVSHMEM is synced in two steps (ep_image/nvshmem.py): all but
-    its distribution, then the distribution built against the venv's NVSHMEM, then checked.
+    A backend whose build needs the venv's NVSHMEM or NCCL is synced in two steps: all but its
+    distribution, then the distribution built against the venv's libraries (NVSHMEM:
+    ep_image/nvshmem.py, checked afterwards; NCCL: on the build's LIBRARY_PATH).
     """
     env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv)}
     env.pop("UV_COMPILE_BYTECODE", None)
@@ -265,16 +332,21 @@ def sync_backend(
     # prebuilt wheel, in a fork or a test project, brings its own runpath; the ABI check binds it).
     compiled = bool(backend.git) and not skipped
     builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and compiled
+    links_nccl = ep_backends.NCCL in backend.build_needs and compiled
     if compiled:
         env.update(prepare_source_build(uv, venv, backend, project, env))
     try:
-        if not builds_nvshmem:
+        if not (builds_nvshmem or links_nccl):
             run(cmd, env=env, cwd=project)
             return None
         run([*cmd, "--no-install-package", backend.distribution], env=env, cwd=project)
-        build_env = nvshmem.build_environment(venv, env)
+        build_env = nvshmem.build_environment(venv, env) if builds_nvshmem else {}
+        if links_nccl:
+            build_env.update(source_build.nccl_link(site_packages(venv), {**env, **build_env}))
         print(f"make_venv: {backend.name}: building against {build_env}", flush=True)
         run(cmd, env={**env, **build_env}, cwd=project)
+        if not builds_nvshmem:
+            return build_env
         try:
             checked = nvshmem.check_extension(venv)
         except nvshmem.NvshmemError as exc:
@@ -285,7 +357,7 @@ def sync_backend(
             run([*cmd, *refresh], env={**env, **build_env}, cwd=project)
             checked = nvshmem.check_extension(venv)
         return {**build_env, "extension": checked}
-    except nvshmem.NvshmemError as exc:
+    except (nvshmem.NvshmemError, source_build.LinkError) as exc:
         raise BuildError(f"{backend.name}: {exc}") from None
     except BuildError as exc:
         if backend.git and looks_like_git_failure(str(exc)):
@@ -313,6 +385,8 @@ def prepare_source_build(
     # Inside the temporary venv, which is renamed into place: removed after the build.
     links = source_build.driver_links(variables)
     extra = source_build.link_stubs(env, venv / source_build.SCRATCH, links)
+    if source_build.multinode_doca(variables):  # setup.py runs NCCL's `make -j` unbounded
+        extra.update(source_build.bounded_make(env, venv / source_build.SCRATCH))
     key = source_build.build_key({**env, **extra}, variables)
     try:
         state = source_build.refresh_cache(uv, backend.distribution, key, env, backend.extra)
@@ -321,7 +395,8 @@ def prepare_source_build(
     print(
         f"make_venv: {backend.name}: build key {source_build.key_digest(key)[:12]} ({state}"
         + ("; its cached builds dropped" if state == "changed" else "")
-        + f"){', driver stubs on LIBRARY_PATH' if extra else ''}",
+        + f"){', driver stubs on LIBRARY_PATH' if 'LIBRARY_PATH' in extra else ''}"
+        + f"{', make -j bounded to ' + extra['EP_MAKE_JOBS'] if 'EP_MAKE_JOBS' in extra else ''}",
         flush=True,
     )
     return extra
@@ -541,6 +616,11 @@ def build_one(uv: str, name: str, opts: Options, skeleton: bool = False) -> Path
     ``skeleton``: all but the backend's own distribution, recorded in ep-skeleton.json (the
     image's shared layer; ``complete_one`` finishes it).
     """
+    with building(opts.prefix, name):
+        return _build_one(uv, name, opts, skeleton)
+
+
+def _build_one(uv: str, name: str, opts: Options, skeleton: bool) -> Path:
     backend = ep_backends.get_backend(name, opts.project, opts.variant)
     skip = skeleton_skip(opts, backend) if skeleton else opts.no_install_packages
     for stale in stale_temp_dirs(opts.prefix, name):
@@ -601,6 +681,11 @@ def complete_one(uv: str, name: str, opts: Options) -> Path:
     The stage's RUN is the unit of atomicity there (a failed RUN leaves no layer); elsewhere
     a failure leaves ep-skeleton.json and no ep-backend.json, so nothing takes it for a venv.
     """
+    with building(opts.prefix, name):
+        return _complete_one(uv, name, opts)
+
+
+def _complete_one(uv: str, name: str, opts: Options) -> Path:
     backend = ep_backends.get_backend(name, opts.project, opts.variant)
     venv = opts.prefix / name
     try:
@@ -916,8 +1001,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     try:
         check_inputs(opts)
+        prepare_prefix(opts.prefix)
         uv = uv_executable()
-        opts.prefix.mkdir(parents=True, exist_ok=True)
         if opts.mode == "skeleton":
             build_skeletons(uv, opts)
             return 0
@@ -932,8 +1017,18 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as exc:
         print(f"make_venv: error: {exc}", file=sys.stderr)
         return EXIT_BUILD_FAILED
+    except KeyboardInterrupt:
+        print(
+            f"make_venv: interrupted; no half-built venv is left under {opts.prefix} (a venv "
+            "being completed in place keeps its ep-skeleton.json: run --complete again)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     if failed:
-        print(f"make_venv: failed: {', '.join(failed)}", file=sys.stderr)
+        print(
+            f"make_venv: failed: {', '.join(failed)} (each error above names its fix)",
+            file=sys.stderr,
+        )
         return EXIT_BUILD_FAILED
     return 0
 

@@ -178,6 +178,9 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
     config = fake_hybridep.gitconfig(tmp_path / "gitconfig", f"file://{fake.bare}")
     env = {**os.environ, "GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
     env["CUDA_HOME"] = str(fake_cuda(tmp_path / "cuda"))  # nvcc and the driver stubs
+    # Its own cache: the build key holds CUDA_HOME (new per run), and dropping the cached build
+    # needs the cache to itself, which the `uv run` running pytest holds.
+    env["UV_CACHE_DIR"] = str(tmp_path / "uv-cache")
     prefix = tmp_path / "venvs"
     args = ("--backend", "hybridep", "--prefix", prefix, "--project", fake.project)
     proc = make_venv(*args, env=env)

@@ -10,6 +10,7 @@ uv and a package whose build records its environment.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -164,3 +165,25 @@ def test_a_changed_environment_input_rebuilds_through_the_real_uv(tmp_path: Path
     assert rebuilt["env"]["TORCH_CUDA_ARCH_LIST"] == "10.0"
     record = consumer.cache / f"{source_build.KEY_PREFIX}{distribution}.json"
     assert '"TORCH_CUDA_ARCH_LIST": "10.0"' in record.read_text()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_a_bare_make_j_is_bounded_by_max_jobs(tmp_path: Path) -> None:
+    """HybridEP's multi-node setup.py runs NCCL's `make -j src.build`: unbounded, it used up a
+    2-core build machine's memory. Through the wrapper the same command runs -j<MAX_JOBS>, and
+    every other argument (one with a space included) reaches make unchanged."""
+    work = tmp_path / "dir with space"
+    work.mkdir()
+    (work / "Makefile").write_text('all:\n\t@echo "[$(MAKEFLAGS)] [$(WHO)]"\n')
+    env = {"PATH": os.environ["PATH"], "MAX_JOBS": "3"}
+    plain = subprocess.run(["make", "-C", str(work), "-j", "all", "WHO=a b"], capture_output=True,
+                           text=True, check=True, env=env).stdout  # fmt: skip
+    assert re.search(r"\[\w* -j( --|\])", plain), plain  # a bare -j: unbounded
+    extra = source_build.bounded_make(env, tmp_path / "scratch")
+    assert extra["EP_MAKE_JOBS"] == "3" and extra["PATH"].startswith(str(tmp_path / "scratch"))
+    out = subprocess.run(["make", "-C", str(work), "-j", "all", "WHO=a b"], capture_output=True,
+                         text=True, check=True, env={**env, **extra}).stdout  # fmt: skip
+    assert "-j3 --jobserver-auth" in out and "[a b]" in out, out
+    assert source_build.bounded_make({**env, "MAX_JOBS": "x"}, tmp_path / "s2")[
+        "EP_MAKE_JOBS"
+    ] == str(os.cpu_count())
