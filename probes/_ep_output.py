@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import _facts
 import _supervise
+import _venv_record
 from _ep_dist import SHARED_GPU_LABEL, RankEnv
 from _ep_steps import STEP_NAMES, not_run
 from _report import EXIT_UNUSABLE, Status, Step, build_report, render_table, write_json_atomic
@@ -67,6 +68,9 @@ def finish(
     }
     if sel.installed is not None:
         versions["backend"] = sel.installed.to_json()
+    # Which venv rank 0 ran in and what it took from outside it (every rank runs the same
+    # interpreter and imports; rank 0 is the one that writes the report).
+    extra.setdefault("environment", _venv_record.environment_facts())
     report = build_report(
         "check_ep",
         steps,

@@ -385,4 +385,11 @@ def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:
         for attr in ("num_nvl_bytes", "num_rdma_bytes"):
             if hasattr(backend, attr):
                 step.data[attr] = getattr(backend, attr)
+        facts = backend.facts()
+        step.data.update(facts)
+        if "jit_cache_state" in facts:
+            step.detail += (
+                f"; JIT cache {facts.get('jit_cache_dir')} {facts['jit_cache_state']}, "
+                f"{facts.get('jit_cache_files_before', 0)} kernel(s) before"
+            )
     return agree(rt, step)

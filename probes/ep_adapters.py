@@ -135,6 +135,10 @@ class EPBackend(abc.ABC):
     def destroy(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release the buffer (explicitly, so no destructor runs during interpreter exit)."""
 
+    def facts(self) -> dict[str, Any]:
+        """Facts for the buffer step's report, known once ``create`` ran (e.g. a JIT cache)."""
+        return {}
+
 
 # --------------------------------------------------------------------------------------
 # Reference backend: plain torch.distributed, CPU (gloo) or GPU (NCCL).
@@ -472,15 +476,33 @@ class HybridEPBackend(EPBackend):
         return _module_facts(self.deep_ep)
 
     def create(self, group: dist.ProcessGroup, shape: Shape) -> None:
+        from ep_image import hybridep_jit  # on sys.path through _ep_detect
+
         self.shape = shape
         self.local = shape.local_experts(group.size())
+        # Kernels compiled by earlier processes, from EP_HYBRIDEP_JIT_CACHE: HybridEP itself
+        # compiles into a directory of this process's own (ep_image/hybridep_jit.py).
+        self.jit = hybridep_jit.prepare(
+            arch=torch.cuda.get_device_capability(),
+            package_dir=os.path.dirname(self.deep_ep.__file__),
+        )
+        self._published = False
         self.buffer = self.HybridEPBuffer(
             group=group,
             hidden_dim=shape.hidden,
             max_num_of_tokens_per_rank=shape.tokens,
             num_local_experts=self.local,
             use_fp8=False,
+            load_cached_kernels=self.jit.load_cached_kernels,
         )
+
+    def facts(self) -> dict[str, Any]:
+        return self.jit.facts() if getattr(self, "jit", None) else {}
+
+    def destroy(self) -> None:
+        jit = getattr(self, "jit", None)
+        if jit is not None:
+            jit.close()  # publishes what backward compiled, removes this process's directory
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -520,6 +542,9 @@ class HybridEPBackend(EPBackend):
         combined, _ = self.buffer.combine(
             hidden=_pad_rows(y, handle.padded_rows), probs=None, handle=handle.raw
         )
+        if not self._published:  # preprocessing, dispatch and combine kernels exist now
+            self.jit.publish()
+            self._published = True
         return combined
 
     def dispatch_cached(self, x: torch.Tensor, handle: _RowsHandle) -> torch.Tensor:

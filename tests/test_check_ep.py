@@ -98,6 +98,10 @@ def assert_all_passed(report: dict, world: int, tokens: int, experts: int, topk:
     assert n["dispatch_vs_copy"] > 0
     assert report["versions"]["torch"]
     assert report["backend"] == "torch"
+    # The venv it ran in (the test runner's, no make_venv record) and nothing from outside it.
+    environment = report["environment"]
+    assert environment["prefix"] == sys.prefix and environment["record"] is None
+    assert environment["loaded_outside_venv"] == {"shared_objects": [], "modules": []}
 
 
 def test_torch_backend_passes_in_a_plain_process(tmp_path: Path) -> None:

@@ -594,6 +594,7 @@ print("PROBE " + json.dumps({
     "cudnn_loaded": maps[0] if maps else None,
     "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
     "jit_cache_dir": os.environ.get("EP_JIT_CACHE_DIR"),
+    "hybridep_jit_cache": os.environ.get("EP_HYBRIDEP_JIT_CACHE"),
     "torch_inodes": {b: ino(b) for b in image["backends"]},
     "dedup": json.loads((prefix / "dedup.json").read_text()),
     "common": json.loads((prefix / "venvs-common.json").read_text()),
@@ -684,6 +685,7 @@ def test_multi_backend_image(
     assert data["ld_library_path"].split(":")[0] == "/opt/venvs/active-cudnn/lib"
     # DeepEP v2's JIT cache has one documented place in the image (a volume keeps it).
     assert data["jit_cache_dir"] == "/var/cache/ep-jit/deep_ep"
+    assert data["hybridep_jit_cache"] == "/var/cache/ep-jit/hybrid_ep"
     announce(pytestconfig, [
         f"EP={MULTI_EP}: built in {multi_build.seconds:.0f}s, "
         f"image {multi_build.size / 1e9:.2f} GB",
