@@ -52,7 +52,9 @@ class ExtensionAbi:
     version_errors: list[str] = field(default_factory=list)
     not_found: list[str] = field(default_factory=list)  # libraries, driver ones left out
     stand_ins: dict[str, str] = field(default_factory=dict)  # driver soname -> stub used
-    driver: str = "real"  # "real", "stub" or "absent": how libcuda.so.1 was mapped
+    #: How libcuda.so.1 was mapped: "real" (the driver's), "stub" (the toolkit's), "absent",
+    #: or "not linked" (nothing mapped needs it: the code reaches the driver through the runtime)
+    driver: str = "real"
 
     @property
     def complete(self) -> bool:
@@ -63,13 +65,14 @@ class ExtensionAbi:
     def failures(self) -> list[Unresolved]:
         """Unresolved symbols that fail the import for sure. torch's always (its libraries are
         all there); others only when every library was found (a missing one may export them,
-        e.g. in a venv that leaves packages out); the driver's only against the real driver."""
+        e.g. in a venv that leaves packages out); the driver's against the real driver, or when
+        nothing links it at all (a build against an incomplete stub, whose linker dropped it)."""
         return [
             u
             for u in self.unresolved
             if u.origin == "torch"
             or (u.origin == "other" and self.complete)
-            or (u.origin == "driver" and self.driver == "real")
+            or (u.origin == "driver" and self.driver in ("real", "not linked"))
         ]
 
     @property
@@ -173,6 +176,10 @@ def bind(
     result.not_found = sorted(absent - set(DRIVER_LIBS))
     if "libcuda.so.1" in absent:
         result.driver = "stub" if "libcuda.so.1" in stubs else "absent"
+    elif "libcuda.so.1" not in found and not any(
+        Path(p).name.startswith("libcuda.so") for p in ld_trace.closure(extension, preload)
+    ):
+        result.driver = "not linked"
     environment = {
         **(os.environ if env is None else env),
         "LD_TRACE_LOADED_OBJECTS": "1",

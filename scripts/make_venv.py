@@ -467,10 +467,11 @@ def verify_backend(
 ) -> bool:
     """Check the backend's deep_ep landed and no other backend's did; True if installed."""
     names = {ep_backends.normalize(d["name"]) for d in installed}
+    own = ep_backends.normalize(backend.distribution)  # a variant's, e.g. deep-ep for deepep_v2
     others = [
         d
         for d in ep_backends.other_distributions(backend.name)
-        if ep_backends.normalize(d) in names
+        if ep_backends.normalize(d) in names and ep_backends.normalize(d) != own
     ]
     if others:
         raise BuildError(f"{backend.name}: other backends' distributions installed: {others}")

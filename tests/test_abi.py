@@ -240,3 +240,18 @@ def test_make_venv_refuses_a_venv_that_would_not_import(
     assert complete.returncode == 1 and COW in complete.stderr, complete.stderr
     assert not (prefix / "deepep_v1" / "ep-backend.json").exists()
     assert (prefix / "deepep_v1" / "ep-skeleton.json").exists(), "still marked unfinished"
+
+
+@needs_gcc
+def test_driver_symbols_with_no_driver_library_linked_fail(tmp_path: Path) -> None:
+    """A build linked against a libcuda stub that lacks the symbols it uses: with --as-needed the
+    linker drops libcuda.so.1 and leaves cu* undefined, so the import fails on any node. Seen
+    building DeepEP v1 against a hand-made stub; the real toolkit stub exports them all."""
+    shared(tmp_path / "libcuda.so", "int cuInit(unsigned f){return 0;}", soname="libcuda.so.1")
+    body = "int cuMemCreate(void); int f(void){return cuMemCreate();}"
+    ext = shared(tmp_path / "ext.so", body, f"-L{tmp_path}", "-Wl,--as-needed", "-lcuda")
+    needed = subprocess.run(["readelf", "-d", str(ext)], capture_output=True, text=True).stdout
+    assert "libcuda.so.1" not in needed, "the linker kept libcuda: nothing to show"
+    result = abi.bind(ext, python(), [], env={"CUDA_HOME": str(tmp_path / "none")})
+    assert result.driver == "not linked"
+    assert [u.symbol for u in result.failures] == ["cuMemCreate"] and not result.ok
