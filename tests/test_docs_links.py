@@ -1,0 +1,115 @@
+"""Every relative link in README.md and docs/**/*.md resolves: the file or folder exists, and an
+anchor names a heading of the page it points at.
+
+Why: product pages quote measured figures briefly and link to the dated results page beside the
+data (docs/results/<date>/README.md); a page moved or a heading renamed must not leave a reader
+at a dead link. External links (http, https, mailto) are not checked: the tests run offline.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Targets that are written elsewhere, with their data, and may not exist yet. A link to one
+#: passes while the target is absent; once it exists it is checked like any other.
+PENDING = {
+    "docs/results/2026-12-03/README.md": "the H200 run of venvs built from uv.lock, with its data",
+}
+
+LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^(```|~~~)")
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def lines_outside_fences(text: str) -> list[tuple[int, str]]:
+    """The lines outside fenced code blocks, numbered."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line.lstrip()):
+            fenced = not fenced
+        elif not fenced:
+            out.append((number, line))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`([^`]*)`", r"\1", heading.strip()).lower()
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings; a repeated heading gets -1, -2, ... as on GitHub."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for _, line in lines_outside_fences(page.read_text()):
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            base = slug(match[1])
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def prose(page: Path) -> str:
+    """The page with fenced blocks blanked and code spans removed (line numbers kept)."""
+    kept = dict(lines_outside_fences(page.read_text()))
+    lines = page.read_text().splitlines()
+    return "\n".join(CODE_SPAN.sub("", kept.get(n, "")) for n in range(1, len(lines) + 1))
+
+
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """One line per relative link of ``page`` that does not resolve (link text may wrap)."""
+    problems = []
+    text = prose(page)
+    for match in LINK.finditer(text):
+        target = match[1]
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        number = text.count("\n", 0, match.start(1)) + 1
+        where = f"{page.relative_to(root)}:{number}: {target}"
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.is_relative_to(root):
+            problems.append(f"{where} (outside the repository)")
+        elif not resolved.exists():
+            if resolved.relative_to(root).as_posix() not in PENDING:
+                problems.append(f"{where} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            problems.append(f"{where} (no heading #{anchor} in {resolved.relative_to(root)})")
+    return problems
+
+
+def test_every_relative_link_resolves() -> None:
+    problems = [problem for page in pages() for problem in broken_links(page)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_the_check_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:
+    """The check itself: good links pass; a missing file and a missing heading are reported;
+    links in code are not links."""
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    (docs / "other.md").write_text("# Other\n\n## DeepEP v1: why a source build\n## Other\n")
+    page = docs / "page.md"
+    page.write_text(
+        "# A `code` heading: here\n\n"
+        "[ok](#a-code-heading-here) [ok](other.md#deepep-v1-why-a-source-build) [ok](results/)\n"
+        "[ok](other.md#other-1) [ok](https://example.com/x.md) [wrapped\nok](other.md)\n"
+        "[bad](no-such-page.md) [bad](other.md#no-such-heading) `[code](nowhere.md)`\n"
+        "```\n[in a fence](nowhere.md)\n```\n"
+    )
+    problems = broken_links(page, tmp_path)
+    assert len(problems) == 2, problems
+    assert problems[0].endswith("no-such-page.md (no such file)")
+    assert problems[1].endswith("(no heading #no-such-heading in docs/other.md)")
