@@ -71,10 +71,36 @@ def test_the_cache_the_tests_leave_is_named_with_how_to_remove_it() -> None:
     assert "2.5 GB" in section
 
 
-def test_the_suite_time_includes_the_loaded_machine() -> None:
-    """21.5 min: the whole suite on a 2-core machine shared with other work (the lead's run of
-    README's command); the README's range must reach it."""
+def _minutes_of_measured_runs(page: Path) -> list[float]:
+    """The wall time, in minutes, of every run of the suite the results page lists on overlay
+    storage with warm caches (the conditions README's figure is for)."""
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in page.read_text().splitlines()
+        if line.startswith("|")
+    ]
+    header = next(row for row in rows if "wall time" in row)
+    storage, caches, wall = (
+        header.index(name) for name in ("image tests' storage", "caches", "wall time")
+    )
+    minutes = []
+    for row in rows:
+        if len(row) == len(header) and row[storage] == "overlay" and row[caches] == "warm":
+            found = re.search(r"(\d+(?:\.\d+)?) min", row[wall])
+            assert found, row
+            minutes.append(float(found[1]))
+    return minutes
+
+
+def test_the_suite_time_covers_every_measured_run() -> None:
+    """README's range for the whole suite reaches every run measured under its conditions, on
+    the results page it links for them (loaded machine included)."""
     section = " ".join(fresh_machine().split())
     found = re.search(r"whole suite took (\d+(?:\.\d+)?)-(\d+(?:\.\d+)?) minutes", section)
     assert found, "no time for the suite"
-    assert float(found[1]) <= 15.2 and float(found[2]) >= 21.5
+    link = re.search(r"\]\((docs/results/[^)#]+)", section[found.end() :])
+    assert link, "the suite's time links no results page"
+    minutes = _minutes_of_measured_runs(ROOT / link[1])
+    assert minutes, f"{link[1]} lists no run on overlay with warm caches"
+    low, high = float(found[1]), float(found[2])
+    assert low <= min(minutes) and high >= max(minutes), (low, high, sorted(minutes))
