@@ -34,9 +34,9 @@ REBUILD_HYBRIDEP = (
     "submodule: docs/backends.md)"
 )
 REBUILD_V1 = (
-    "rebuild DeepEP v1 against NVSHMEM: scripts/make_venv.py --backend deepep_v1 builds it with "
-    "NVSHMEM_DIR set to the venv's nvidia-nvshmem-cu13 (a build without it silently drops the "
-    "internode and low-latency kernels)"
+    "rebuild DeepEP v1 against NVSHMEM: scripts/make_venv.py builds it with NVSHMEM_DIR set to "
+    "the venv's nvidia-nvshmem-cu13 (a build without it silently drops the internode and "
+    "low-latency kernels)"
 )
 UPGRADE_NCCL = "install nvidia-nccl-cu13>=2.30.4 (the lock pins 2.30.7: uv sync --extra deepep_v2)"
 

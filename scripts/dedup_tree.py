@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             "another prefix). These are the books scripts/dedup.py keeps before and after it "
             "links; this command only reads."
         ),
-        epilog="Example: python scripts/dedup_tree.py /opt/venvs/deepep_v1 /opt/venvs/deepep_v2",
+        epilog="Example: python scripts/dedup_tree.py /opt/venvs/*/",
     )
     parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to count")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
