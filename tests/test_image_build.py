@@ -289,6 +289,10 @@ def storage_driver(parent: Path) -> tuple[str, str]:
         subprocess.run(["rm", "-rf", "--one-file-system", str(trial)], check=False)
 
 
+#: What buildah's chroot runner prints when sealing the memfd copy of itself fails (EBUSY).
+MEMFD_SEAL_FAULT = "sealing memfd copy: Device or resource busy"
+
+
 class Buildah:
     """buildah with its own storage (chroot isolation): isolated from other users."""
 
@@ -325,7 +329,27 @@ class Buildah:
         secrets: dict[str, Path] | None = None,
         target: str | None = None,
     ) -> Build:
-        """Build docker/Dockerfile, printing each stage as it starts (and a heartbeat)."""
+        """Build docker/Dockerfile, printing each stage as it starts (and a heartbeat).
+
+        A RUN that fails before its command starts because the kernel refused to seal the
+        runtime's memfd copy of itself (EBUSY, seen once in CI) is an infrastructure fault, not
+        the build's: that build is run once more, and the layer cache resumes it at the RUN.
+        """
+        build = self._bud_once(image, build_args, log_name, context, secrets, target)
+        if build.returncode != 0 and any(MEMFD_SEAL_FAULT in line for line in build.log):
+            print(f"{log_name}: buildah could not seal its memfd copy (EBUSY); building again")
+            build = self._bud_once(image, build_args, f"{log_name}-again", context, secrets, target)
+        return build
+
+    def _bud_once(
+        self,
+        image: str,
+        build_args: dict[str, str],
+        log_name: str,
+        context: Path,
+        secrets: dict[str, Path] | None,
+        target: str | None,
+    ) -> Build:
         dockerfile_path = str(context / "docker" / "Dockerfile")
         cmd = ["buildah", *self.flags, "bud", "--isolation", "chroot", "--layers",
                "--format", "docker", "-f", dockerfile_path, "-t", image]  # fmt: skip
