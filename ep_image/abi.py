@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ep_image import ld_trace
+from ep_image import elf, ld_trace
 
 #: Provided by the GPU driver at run time, never by a venv; a toolkit stub may stand in.
 DRIVER_LIBS = {"libcuda.so.1": "libcuda.so", "libnvidia-ml.so.1": "libnvidia-ml.so"}
@@ -55,6 +55,8 @@ class ExtensionAbi:
     #: How libcuda.so.1 was mapped: "real" (the driver's), "stub" (the toolkit's), "absent",
     #: or "not linked" (nothing mapped needs it: the code reaches the driver through the runtime)
     driver: str = "real"
+    #: libstdc++ linked in statically (see ``carries_cxx_runtime``)
+    static_cxx_runtime: bool = False
 
     @property
     def complete(self) -> bool:
@@ -78,7 +80,7 @@ class ExtensionAbi:
     @property
     def ok(self) -> bool:
         """Nothing that was judged fails to bind (libraries not found are ``complete``'s)."""
-        return not (self.failures or self.version_errors)
+        return not (self.failures or self.version_errors or self.static_cxx_runtime)
 
     def problems(self, torch_version: str | None, strict: bool = True) -> list[str]:
         """One line per failure, each naming the symbol and the fix; with ``strict``, also each
@@ -104,6 +106,14 @@ class ExtensionAbi:
                 f"{Path(others[0].needed_by).name}): built against other versions of its "
                 "libraries (e.g. NCCL, NVSHMEM, the CUDA runtime). Fix: pin the versions it was "
                 "built for, or rebuild it against this venv's"
+            )
+        if self.static_cxx_runtime:
+            lines.append(
+                f"{name} carries its own libstdc++ (linked with -static-libstdc++, e.g. by a "
+                "compiler wrapper such as a CUDAHOSTCXX or CXX that adds it): a second C++ "
+                "runtime beside torch's, which crashes at run time (HybridEP did, in its buffer "
+                "constructor). Fix: rebuild with the system compiler (CC=/usr/bin/gcc "
+                "CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++)"
             )
         lines += [f"{name}: {error}. Fix: a build for this system's libraries" for error in
                   self.version_errors]  # fmt: skip
@@ -168,6 +178,7 @@ def bind(
     """Map ``extension`` as importing it would (``preload`` first, under ``python``) and bind
     every symbol; what could not be bound is the result."""
     result = ExtensionAbi(extension=str(extension))
+    result.static_cxx_runtime = carries_cxx_runtime(extension)
     found, missing = ld_trace.resolve(extension, preload)
     absent = {lib for lib, where in found.items() if where is None} | set(missing)
     stubs = driver_stubs(env)
@@ -242,12 +253,50 @@ def check(
     env: dict[str, str] | None = None,
 ) -> list[ExtensionAbi]:
     """Bind every compiled extension of ``distributions`` in the venv whose site-packages is
-    ``site``, with torch's libraries loaded first, as ``import`` would."""
-    extensions = distribution_extensions(site, distributions)
-    if not extensions:
-        return []
-    preload = ld_trace.torch_first(site)
-    return [bind(ext, python, [p for p in preload if p != str(ext)], env) for ext in extensions]
+    ``site``, with torch's libraries loaded first, as ``import`` would.
+
+    A distribution's own plain libraries (``lib*.so``, not Python modules) are loaded before its
+    Python extension modules too: its package loads them globally first (TE's ``__init__``
+    dlopens ``libtransformer_engine.so``, whose symbols ``transformer_engine_torch`` uses
+    without naming the library)."""
+    torch_libs = None
+    results = []
+    for distribution in distributions:
+        extensions = distribution_extensions(site, [distribution])
+        if not extensions:
+            continue
+        if torch_libs is None:
+            torch_libs = ld_trace.torch_first(site)
+        own = [str(p) for p in extensions if not is_python_module(p)]
+        for ext in extensions:
+            first = [*torch_libs, *own] if is_python_module(ext) else torch_libs
+            results.append(bind(ext, python, [p for p in first if p != str(ext)], env))
+    return results
+
+
+def is_python_module(path: Path) -> bool:
+    """An extension module ``import`` loads (``name.cpython-312-x86_64-linux-gnu.so``,
+    ``name.abi3.so``), as opposed to a library the package loads itself."""
+    return not path.name.startswith("lib") or ".cpython-" in path.name or ".abi3." in path.name
+
+
+def carries_cxx_runtime(path: Path) -> bool:
+    """Whether a shared object has libstdc++ linked in: ``std::`` code inside and no
+    ``libstdc++.so.6`` asked of the loader. A compiler wrapper that adds ``-static-libstdc++``
+    builds such a thing; beside torch's shared libstdc++ it crashes in iostream code."""
+    try:
+        needed = elf.read_dynamic(path).needed
+    except (OSError, elf.ElfError):
+        return False
+    if any(lib.startswith("libstdc++.so") for lib in needed):
+        return False
+    with path.open("rb") as fh:
+        tail = b""
+        while block := fh.read(1 << 22):
+            if b"_ZNSt" in tail + block:
+                return True
+            tail = block[-4:]
+    return False
 
 
 def torch_version(site: Path) -> str | None:

@@ -245,6 +245,12 @@ RUN_TIME_HINTS: tuple[tuple[str, str], ...] = (
         "NVLink alone: " + ", ".join(s.name for s in registry.SPECS if not s.needs_nccl_gin),
     ),
     (
+        "Numpy is not available",
+        "the backend's buffer swaps handles through torch.distributed.all_gather_object, which "
+        "needs numpy, and this environment has none: install numpy in the backend's venv (the "
+        "lock's backend extras hold it: rebuild the venv with scripts/make_venv.py)",
+    ),
+    (
         "CPU recv timeout",
         "a rank never reached the matching kernel: check that every rank got its own GPU "
         "(or --ranks-per-gpu) and the same shape, and run the backend's own tests here",

@@ -255,8 +255,8 @@ def init_distributed(
 def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order.
 
-    Not ``dist.all_gather_object``: that decodes through ``Tensor.numpy()``, and the backend
-    venvs (and images) hold no numpy. Bytes travel as uint8 tensors over the gloo group.
+    Not ``dist.all_gather_object``: that decodes through ``Tensor.numpy()``, and the probes run
+    where numpy is absent too. Bytes travel as uint8 tensors over the gloo group.
     """
     import torch
     import torch.distributed as dist

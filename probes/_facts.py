@@ -24,8 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# Every probe imports this module before torch. Backend venvs hold no numpy (nothing in them
-# needs it), and torch's import warns about that on every run; the probes never use numpy.
+# Every probe imports this module before torch. The probes never use numpy, and must run where
+# it is absent (a venv that leaves it out); torch's import warns about that on every run.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 

@@ -255,3 +255,60 @@ def test_driver_symbols_with_no_driver_library_linked_fail(tmp_path: Path) -> No
     result = abi.bind(ext, python(), [], env={"CUDA_HOME": str(tmp_path / "none")})
     assert result.driver == "not linked"
     assert [u.symbol for u in result.failures] == ["cuMemCreate"] and not result.ok
+
+
+def fake_distribution(site: Path, name: str, files: dict[str, Path]) -> None:
+    """Install ``files`` (path in site-packages -> built object) as distribution ``name``."""
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    for rel, built in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(built, site / rel)
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files))
+
+
+@needs_gcc
+def test_a_packages_own_library_is_loaded_before_its_extension_module(tmp_path: Path) -> None:
+    """Transformer Engine's case: ``transformer_engine_torch`` uses symbols of
+    ``libtransformer_engine.so`` without naming it; the package dlopens that library first.
+    A symbol that library lacks still fails."""
+    build = tmp_path / "build"
+    build.mkdir()
+    core = shared(build / "libcore.so", "int core_fn(void){return 7;}")
+    good = shared(build / "good.so", "int core_fn(void); int f(void){return core_fn();}")
+    bad = shared(build / "bad.so", "int core_gone(void); int f(void){return core_gone();}")
+    site = tmp_path / "site"
+    module = "core_torch.cpython-312-x86_64-linux-gnu.so"
+    fake_distribution(site, "coredist", {"coredist/libcore.so": core, f"coredist/{module}": good})
+    results = {Path(r.extension).name: r for r in abi.check(site, python(), ["coredist"], env={})}
+    assert set(results) == {"libcore.so", module}
+    assert all(r.ok for r in results.values()), results
+    # Alone (nothing loaded first), the module's symbol is unresolved: the preload is what binds.
+    alone = abi.bind(site / "coredist" / module, python(), [], env={})
+    assert [u.symbol for u in alone.unresolved] == ["core_fn"]
+    broken = tmp_path / "broken"
+    fake_distribution(broken, "coredist", {"coredist/libcore.so": core, f"coredist/{module}": bad})
+    verdicts = {Path(r.extension).name: r.ok for r in abi.check(broken, python(), ["coredist"])}
+    assert verdicts == {"libcore.so": True, module: False}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("static", [True, False])
+def test_an_extension_carrying_its_own_libstdcxx_fails_naming_the_compiler(
+    tmp_path: Path, static: bool
+) -> None:
+    """HybridEP built by a compiler wrapper that adds -static-libstdc++ loaded, bound every
+    symbol, and crashed in its buffer constructor: make_venv must refuse it before that."""
+    src = tmp_path / "ext.cpp"
+    body = 'extern "C" int f(const char* s){return std::string(s).size();}'
+    src.write_text(f"#include <string>\n{body}\n")
+    out = tmp_path / "ext.so"
+    flags = ["-static-libstdc++"] if static else []
+    subprocess.run(["g++", "-shared", "-fPIC", "-o", str(out), str(src), *flags], check=True)
+    assert abi.carries_cxx_runtime(out) is static
+    result = abi.bind(out, python(), [], env={})
+    assert result.ok is not static
+    if static:
+        problems = result.problems(None)
+        assert any("-static-libstdc++" in p and "CXX=/usr/bin/g++" in p for p in problems)

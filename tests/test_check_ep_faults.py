@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import BROKEN
+from conftest import BROKEN, clean_env
 
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
 QUICK = ["--iters", "3", "--warmup", "1", "--replays", "2", "--timeout", "120"]
@@ -277,3 +277,22 @@ def test_upstream_test_counts_cases_that_ran_through_their_checks() -> None:
     assert upstream_test.cases_passed(log, finished=False) == 2
     v1_log = "".join(f"[testing] Check dispatch ({i}) passed\n" for i in range(5))
     assert upstream_test.cases_passed(v1_log, finished=True) == 5
+
+
+def test_a_buffer_that_needs_numpy_where_there_is_none_names_numpy(check_ep, tmp_path) -> None:
+    """DeepEP v1 from a lock without numpy: its Buffer failed with torch's "Numpy is not
+    available" on an H200. Here numpy is made unimportable for the probe's processes; the
+    same backend passes where numpy imports."""
+    blocker = tmp_path / "no-numpy" / "numpy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ModuleNotFoundError('numpy left out for this test')\n"
+    )
+    env = clean_env(PYTHONPATH=str(blocker.parent))
+    run = check_ep(*backend("GathersObjectsInBuffer"), *SMALL, *QUICK, nproc=2, env=env)
+    assert run.proc.returncode == 3, run.output
+    buffer = run.step("buffer")
+    assert "Numpy is not available" in buffer["detail"], buffer
+    assert "install numpy" in buffer["hint"] and "make_venv" in buffer["hint"], buffer
+    passing = check_ep(*backend("GathersObjectsInBuffer"), *SMALL, *QUICK, nproc=2)
+    assert passing.proc.returncode == 0, passing.output
