@@ -1,14 +1,25 @@
-"""ep_image: what scripts/, probes/ and the image's stages share, in one importable place.
+"""ep_image: the build system for MoE training images with a selectable EP backend.
 
-Why a package at the top level: scripts run on build hosts, probes run inside backend venvs that
-hold only the lock's packages, and the image's stages run on a bare base image. None of them can
-install this project, so each reaches it by path: the repository root in a checkout, and
-``/opt/ep-image`` in the image (where it sits beside scripts/ and probes/ exactly as in the
-repository). Standard library only, for the same reason.
-
-Modules: ``backends`` (the registry of EP backends: the one place a backend is defined),
-``project`` (pins read from pyproject.toml and uv.lock), ``nvshmem`` (HybridEP's NVSHMEM build
-set-up, shared by host mode and the image), ``tools`` (the pinned uv), ``dockerfile`` (the
-per-backend Dockerfile stages, rendered from the registry), ``image`` (the image's assembling
-steps).
+One package: the library at the top (``backends``, ``project``, ``abi``, ...), the build steps in
+``ep_image.build`` and the probes in ``ep_image.probes``; docs/architecture.md draws the parts.
+Standard library only: it runs in backend venvs that hold only the lock's packages and on bare
+base images.
 """
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+#: The directory that holds this package: the repository root, or /opt/ep-image in the image.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with this package first on PYTHONPATH, so that a child
+    Python (a rank, an upstream test) imports the same ep_image even from a venv without it."""
+    out = dict(os.environ if env is None else env)
+    parts = [str(SOURCE_ROOT), *filter(None, out.get("PYTHONPATH", "").split(os.pathsep))]
+    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return out

@@ -39,7 +39,7 @@ MODULE = "deep_ep"
 ALL = "all"
 
 #: What ``build_needs`` may hold. NVSHMEM: the source build links NVSHMEM from NVSHMEM_DIR;
-#: scripts/make_venv.py points that at the venv's own nvidia-nvshmem (ep_image/nvshmem.py).
+#: ep_image/build/make_venv.py points that at the venv's own nvidia-nvshmem (ep_image/nvshmem.py).
 NVSHMEM = "nvshmem"
 #: NCCL: the source build links ``-l:libnccl.so.2`` without a ``-L`` for it (DeepEP v2's
 #: setup.py at af9a0403); make_venv puts the venv's own nvidia-nccl on that build's LIBRARY_PATH.
@@ -91,7 +91,7 @@ class BackendSpec:
     #: Needs NCCL GIN, hence an RDMA NIC, even on one node.
     needs_nccl_gin: bool = False
     #: Its own test in its repository, under tests/ at the commit its layout follows (the
-    #: upstream-test oracle, probes/upstream_test.py), and whether several ranks may share a GPU
+    #: upstream-test oracle, upstream_test.py), and whether several ranks may share a GPU
     #: there (False: it builds NCCL communicators, which refuse that).
     upstream_test: str = ""
     shares_gpu: bool = True

@@ -37,7 +37,7 @@ _COPY_FILES_NOTE = "# hadolint ignore=DL3067"
 
 def backend_stage(spec: backends.BackendSpec) -> list[str]:
     """``ep-<backend>``: the backend's venv, completed in place from its skeleton in
-    ``venvs-common`` by scripts/make_venv.py --complete (the same sync host mode runs).
+    ``venvs-common`` by ep_image.build.make_venv --complete (the same sync host mode runs).
 
     Its cache key holds only what the venv is made from: ``venvs-common`` (the lock, the venv
     scripts, the TE record, VENV_SKIP_PACKAGES), and for a source build the arch list and job
@@ -53,7 +53,8 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
         f"ARG {' '.join(args)}",
         f"RUN {_CACHE} \\",
         f"    {_SECRETS} \\",
-        "    /opt/ep-image/docker/with-secrets python3 /opt/ep-image/scripts/make_venv.py \\",
+        "    PYTHONPATH=/opt/ep-image /opt/ep-image/docker/with-secrets \\",
+        "    python3 -m ep_image.build.make_venv \\",
         f"    --complete --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image \\",
         '    --no-install-packages "${VENV_SKIP_PACKAGES}"',
     ]
@@ -63,7 +64,7 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     """``files-<EP>`` and ``image-<EP>``: the selected venvs made usable (active backend, cuDNN
     order, image.json). One backend: FROM its stage, the venv in place, so changing EP to it
     costs only small layers. Several: FROM venvs-common, each skeleton made equal to its
-    stage's venv (scripts/tree_sync.py writes only the backend's own files), the unselected
+    stage's venv (ep_image.build.tree_sync writes only the backend's own files), the unselected
     skeletons removed: the shared files stay in venvs-common's layer, hardlinked.
 
     ``files-<EP>`` is what the image adds besides the venvs, taken in one COPY: the project's
@@ -76,7 +77,7 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     for name in names:
         record = f"/opt/venvs/{name}/ep-backend.json"
         lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
-    run = "python3 /opt/ep-image/scripts/image_stage.py assemble"
+    run = "PYTHONPATH=/opt/ep-image python3 -m ep_image.build.image_stage assemble"
     start = f"ep-{names[0]}" if len(names) == 1 else "venvs-common"
     lines += [
         f"FROM {start} AS image-{value}",

@@ -6,7 +6,7 @@ setup.py links ``libnvshmem_host.so`` from ``$NVSHMEM_DIR/lib`` and records
 isolated build environment, a temporary directory, so the extension then names a path that is
 gone when the build ends (it loads only if something else loaded NVSHMEM first). Host mode did
 exactly that while the image had its own fix-up; this module is the one fix both now run,
-through scripts/make_venv.py (``BackendSpec.build_needs`` holds ``nvshmem``):
+through ep_image/build/make_venv.py (``BackendSpec.build_needs`` holds ``nvshmem``):
 
 1. make_venv syncs everything except the backend's own distribution, so the venv holds the
    lock's nvidia-nvshmem-cu13;
@@ -131,8 +131,8 @@ def check_extension(venv: Path) -> dict[str, object]:
             f"{extension.name} has runpath {':'.join(dynamic.runpath) or '(none)'}, without "
             f"{RUNPATH} (or {target} is missing): it would look for {needed} in a directory "
             "that does not outlive the build. This is a wheel uv built without "
-            "scripts/make_venv.py's NVSHMEM set-up and kept in its cache. Fix: "
-            "`uv cache clean deep-ep`, then rebuild with scripts/make_venv.py."
+            "python3 -m ep_image.build.make_venv's NVSHMEM set-up and kept in its cache. Fix: "
+            "`uv cache clean deep-ep`, then rebuild with python3 -m ep_image.build.make_venv."
         )
     return asdict(
         ExtensionCheck(extension.name, needed, dynamic.runpath, str(target.relative_to(site)))

@@ -3,7 +3,7 @@
 Why: uv.lock was written by one uv release, and CI, the image and the README install exactly
 that one. The version is written here once; ``.ci/run``, ci.yml, the Dockerfile's ``UV_VERSION``
 ARG and README repeat it for tools that cannot import Python, and a test holds them equal.
-``scripts/bootstrap.py`` installs it where none is on PATH; ``find_uv`` looks there too, so a
+``ep_image/build/bootstrap.py`` installs it where none is on PATH; ``find_uv`` looks there too, so a
 command chained after the bootstrap finds it without touching PATH.
 """
 
@@ -22,13 +22,13 @@ class ToolError(RuntimeError):
 
 
 def bootstrap_dir(version: str = UV_VERSION) -> Path:
-    """Where scripts/bootstrap.py installs uv: ``$XDG_CACHE_HOME/ep-image/uv-<version>/bin``."""
+    """Where bootstrap.py installs uv: ``$XDG_CACHE_HOME/ep-image/uv-<version>/bin``."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "ep-image" / f"uv-{version}" / "bin"
 
 
 def find_uv() -> str:
-    """uv on PATH, else the one scripts/bootstrap.py installed; else ToolError naming the fix."""
+    """uv on PATH, else the one bootstrap.py installed; else ToolError naming the fix."""
     found = shutil.which("uv")
     if found:
         return found
@@ -37,6 +37,7 @@ def find_uv() -> str:
         return str(candidate)
     raise ToolError(
         f"uv not found on PATH. Install uv {UV_VERSION}, the version that wrote uv.lock and that "
-        f"README and CI use: `python3 scripts/bootstrap.py` (from PyPI, into {candidate.parent}), "
+        "README and CI use: `python3 -m ep_image.build.bootstrap` "
+        f"(from PyPI, into {candidate.parent}), "
         f"or `python3 -m pip install uv=={UV_VERSION}`"
     )

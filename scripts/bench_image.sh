@@ -37,8 +37,8 @@ bud() {  # bud LABEL ARGS...: one timed build
 # Cold EP=all: venvs-common (every backend's skeleton), the three backend stages, one invocation
 # each (bounds the vfs disk peak), then the image.
 # The backends and the EP values come from the registry: the default alone, then the first two.
-mapfile -t names < <(python3 scripts/ep_backends.py --names)
-default=$(python3 scripts/ep_backends.py --default)
+mapfile -t names < <(python3 -m ep_image.backends --names)
+default=$(python3 -m ep_image.backends --default)
 pair=$(python3 -c 'import sys; print("-".join(sys.argv[1:3]))' "${names[@]}")
 bud cold-venvs-common --build-arg EP=all --target venvs-common -t bench:venvs-common
 for t in "${names[@]/#/ep-}"; do bud "cold-$t" --build-arg EP=all --target "$t" -t "bench:$t"; done

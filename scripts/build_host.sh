@@ -4,12 +4,15 @@
 # Why: the image builds one venv per EP backend and hardlinks their identical files; a cluster
 # user who cannot run Docker needs the same result in a directory they own, from the same lock
 # and the same scripts, so the image and the host never drift. This builds every requested
-# backend with scripts/make_venv.py (each atomically, under <prefix>/<backend>), then runs
-# scripts/dedup.py across them, then says how to switch backend with scripts/use-ep.
+# backend with ep_image/build/make_venv.py (each atomically, under <prefix>/<backend>), then runs
+# ep_image/build/dedup.py across them, then says how to switch backend with scripts/use-ep.
 # docs/host-mode.md is the guide.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
+# The checkout's ep_image package, not installed in the Python that runs the steps.
+PYTHONPATH=$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH
 prefix=${EP_PREFIX:-}
 backends=${EP_BACKENDS:-all}
 venv_python=
@@ -28,9 +31,9 @@ identical files across them, so all of them cost about as much disk as one.
 
   --prefix DIR        where the venvs go (default: \$EP_PREFIX); use a filesystem that
                       supports hardlinks, and the same one for all backends
-  --backends LIST     comma list of backends (scripts/ep_backends.py --names), or all
+  --backends LIST     comma list of backends (ep_image/backends.py --names), or all
                       (default: \$EP_BACKENDS or all); a backend that fails does not stop the others
-  --te-wheel PATH     Transformer Engine wheel from scripts/build_te.py, put in every venv
+  --te-wheel PATH     Transformer Engine wheel from ep_image/build/build_te.py, put in every venv
   --python PY         interpreter for the venvs (uv venv --python; uv may download one)
   --project DIR       the pyproject.toml + uv.lock to build from (default: this repository)
   --no-read-only      keep write bits on shared files (default: dedup --read-only, so an
@@ -39,8 +42,8 @@ identical files across them, so all of them cost about as much disk as one.
   --activate BACKEND  point DIR/active at BACKEND when done
 
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
-Needs: uv (on PATH, or installed by python3 scripts/bootstrap.py), Python >= 3.11 to run the
-scripts (PYTHON=..., else python3, else uv's). Every step is scripts/make_venv.py, the command
+Needs: uv (on PATH, or installed by python3 -m ep_image.build.bootstrap), Python >= 3.11 to run the
+scripts (PYTHON=..., else python3, else uv's). Every step is ep_image/build/make_venv.py, the command
 the image's ep-<backend> stages run too: HybridEP's NVSHMEM set-up included.
 EOF
 }
@@ -74,7 +77,7 @@ py() {
     elif command -v uv >/dev/null; then
         uv run --no-project --python '>=3.11' python "$@"
     else
-        echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 scripts/bootstrap.py" >&2
+        echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 -m ep_image.build.bootstrap" >&2
         exit 1
     fi
 }
@@ -86,14 +89,14 @@ export UV_LINK_MODE
 
 status=0
 # shellcheck disable=SC2086  # te_args is a list of --te-wheel=PATH words
-py "$here/make_venv.py" --backend "$backends" --prefix "$prefix" --keep-going \
+py -m ep_image.build.make_venv --backend "$backends" --prefix "$prefix" --keep-going \
     ${venv_python:+--python "$venv_python"} ${project:+--project "$project"} $te_args || status=$?
 
 venvs=$(EP_PREFIX=$prefix "$here/use-ep" --list)
 count=$(printf '%s\n' "$venvs" | grep -c . || true)
 if [ "$count" -ge 2 ]; then
     # shellcheck disable=SC2086  # one word per backend name
-    (cd "$prefix" && py "$here/dedup.py" $read_only --json "$prefix/dedup.json" $venvs) ||
+    (cd "$prefix" && py -m ep_image.build.dedup $read_only --json "$prefix/dedup.json" $venvs) ||
         status=1
 fi
 if [ -n "$activate" ]; then

@@ -11,13 +11,16 @@ import base64
 import filecmp
 import hashlib
 import os
+import shutil
 import stat
 import subprocess
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
+SCRIPTS = ROOT / "scripts"  # the shell glue: use-ep, build_host.sh
+#: copytree's ignore for a copy of the package
+PYCACHE = shutil.ignore_patterns("__pycache__")
 
 
 def uv(*args: str, env: dict[str, str] | None = None, check: bool = True, **kw):

@@ -18,8 +18,14 @@ from typing import Any
 
 import pytest
 
+from ep_image import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
-PROBES = ROOT / "probes"
+# Child Pythons (probes, ranks, make_venv) import this checkout's ep_image and the fixtures, as
+# pytest itself does (pyproject.toml's pythonpath).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [child_env()["PYTHONPATH"], str(ROOT / "tests" / "fixtures")]
+)
 FIXTURES = ROOT / "tests" / "fixtures"
 BROKEN = FIXTURES / "broken_backends.py"
 
@@ -72,7 +78,7 @@ def run_probe_in(
     env: dict[str, str] | None = None,
     timeout: int = 300,
 ) -> ProbeRun:
-    """Run ``probes/<script> args --json <tmp>/report.json`` as a user would.
+    """Run ``python -m ep_image.probes.<script> args --json <tmp>/report.json`` as a user would.
 
     ``python`` replaces the interpreter (a venv's, or ``python -I -S``); ``launcher`` goes
     between it and the script (``-m torch.distributed.run ...``).
@@ -82,13 +88,19 @@ def run_probe_in(
     cmd = [
         *(python or [sys.executable]),
         *(launcher or []),
-        str(PROBES / script),
+        "-m",
+        f"ep_image.probes.{Path(script).stem}",
         *args,
         "--json",
         str(report),
     ]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=tmp_path
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(env or clean_env()),
+        cwd=tmp_path,
     )
     data = json.loads(report.read_text()) if report.exists() else None
     return ProbeRun(proc, data)

@@ -14,11 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import check_installed
 import pytest
-from _venv_helpers import SCRIPTS, build_wheel, make_uv_venv, site_packages, uv
+from _venv_helpers import build_wheel, make_uv_venv, site_packages, uv
 
 from ep_image import abi
+from ep_image.build import check_installed
 
 #: What tokenspeed-deepep 1.2.1's extension needs and torch 2.14.1's libc10 no longer exports.
 COW = "_ZN3c104impl3cow23materialize_cow_storageERNS_11StorageImplE"
@@ -152,8 +152,8 @@ def test_symbol_origin(symbol: str, origin: str) -> None:
 
 def test_check_ep_says_built_against_another_torch_not_reinstall() -> None:
     """The loader's message for the real failure (seen on the H200 with torch 2.14.1)."""
-    import _ep_detect
-    from _report import Status
+    from ep_image.probes import _ep_detect
+    from ep_image.probes._report import Status
 
     output = (
         "ImportError: /venv/lib/python3.12/site-packages/deep_ep_cpp.cpython-312-x86_64-linux-"
@@ -225,7 +225,7 @@ def test_make_venv_refuses_a_venv_that_would_not_import(
     )
     uv("lock", "--project", str(project))
     prefix = tmp_path / "venvs"
-    make_venv = [sys.executable, str(SCRIPTS / "make_venv.py"), "--backend", "deepep_v1"]
+    make_venv = [sys.executable, "-m", "ep_image.build.make_venv", "--backend", "deepep_v1"]
     args = ["--prefix", str(prefix), "--project", str(project), "--python", sys.executable]
 
     proc = subprocess.run([*make_venv, *args], capture_output=True, text=True, timeout=1800)

@@ -1,4 +1,4 @@
-"""scripts/build_te.py against real venvs made with uv (no mocks).
+"""ep_image/build/build_te.py against real venvs made with uv (no mocks).
 
 What this proves: discovery finds the headers and libraries of the real nvidia-cudnn-cu13 wheel
 the lock pins (site-packages/nvidia/cudnn/{include,lib}) and reads its version from
@@ -22,11 +22,12 @@ import sys
 import tomllib
 from pathlib import Path
 
-import build_te
 import pytest
 
+from ep_image.build import build_te
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "build_te.py"
+SCRIPT = "ep_image.build.build_te"
 
 
 def locked_version(name: str) -> str:
@@ -52,7 +53,7 @@ def make_venv(path: Path, *requirements: str) -> Path:
 
 def run_script(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)],
+        [sys.executable, "-m", SCRIPT, *map(str, args)],
         capture_output=True,
         text=True,
         check=False,
@@ -170,7 +171,7 @@ def test_nccl_ep_off_drops_the_nccl_submodule_requirement(cudnn_venv: Path, tmp_
     source = te_source_snapshot(tmp_path / "te")
     env = {**os.environ, "NVTE_WITH_NCCL_EP": "0"}
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--venv", str(cudnn_venv), "--source", str(source),
+        [sys.executable, "-m", SCRIPT, "--venv", str(cudnn_venv), "--source", str(source),
          "--out", str(tmp_path / "out"), "--dry-run"],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip

@@ -20,7 +20,7 @@ from conftest import run_probe_in
 from fake_installs import fake_deep_ep
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "probes" / "check_env.py"
+PROBE = "ep_image.probes.check_env"
 
 
 TOP_KEYS = {
@@ -182,7 +182,7 @@ def test_a_wheel_says_plainly_that_its_commit_is_unknown(
 def test_nothing_optional_present_still_exits_0(tmp_path: Path) -> None:
     """An interpreter without site-packages (no torch, no wheels) and no tools on PATH."""
     env = {"PATH": "/nonexistent", "HOME": str(tmp_path)}
-    proc, m = run_env(tmp_path, env=env, python=[sys.executable, "-I", "-S"])
+    proc, m = run_env(tmp_path, env=env, python=[sys.executable, "-S", "-s"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert m["torch"] is None and m["torch_error"] is None
     assert m["cudnn"]["loaded"] is None and m["cudnn"]["dist"] is None

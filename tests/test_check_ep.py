@@ -16,15 +16,16 @@ import sys
 import types
 from pathlib import Path
 
-import _ep_detect
-import check_ep
 import pytest
-from _ep_scenarios import NAMES as SCENARIOS
-from _report import Status
-from conftest import BROKEN, PROBES, ROOT, clean_env, run_probe_in
+from conftest import BROKEN, ROOT, clean_env, run_probe_in
 from fake_installs import fake_deep_ep
 
-PROBE = PROBES / "check_ep.py"
+from ep_image import backends
+from ep_image.probes import _ep_detect, check_ep
+from ep_image.probes._ep_scenarios import NAMES as SCENARIOS
+from ep_image.probes._report import Status
+
+PROBE = "ep_image.probes.check_ep"
 
 # A small layer keeps 4 ranks on 2 cores fast; every check still runs on it.
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
@@ -130,7 +131,7 @@ def test_torch_backend_bf16_under_torchrun(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        str(PROBE), "--dtype", "bfloat16", *SMALL, *QUICK, "--json", str(report),
+        "-m", PROBE, "--dtype", "bfloat16", *SMALL, *QUICK, "--json", str(report),
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path
@@ -376,7 +377,7 @@ def test_bad_usage_is_one_line_and_exit_2(
 
 def test_help_reads_like_documentation() -> None:
     proc = subprocess.run(
-        [sys.executable, str(PROBE), "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", PROBE, "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0
     for phrase in (
@@ -515,9 +516,8 @@ def test_classify_import_failure(
 
 
 def test_markers_and_distributions_match_the_build_registry() -> None:
-    """The probe's identity rules agree with scripts/ep_backends.py (one registry, two readers)."""
-    ep_backends = pytest.importorskip("ep_backends")
-    registry = ep_backends.load_registry(ROOT)
+    """The probe's identity rules agree with ep_image/backends.py (one registry, two readers)."""
+    registry = backends.load_registry(ROOT)
     assert tuple(registry) == _ep_detect.BACKEND_NAMES
     markers = dict(_ep_detect.MARKERS)
     for name, backend in registry.items():
@@ -529,7 +529,7 @@ def test_markers_and_distributions_match_the_build_registry() -> None:
 
 
 def test_merge_exit_codes() -> None:
-    from _report import merge_exit_codes
+    from ep_image.probes._report import merge_exit_codes
 
     assert merge_exit_codes([0, 0]) == 0
     assert merge_exit_codes([0, 5]) == 5
@@ -543,8 +543,14 @@ def test_merge_exit_codes() -> None:
 def test_reference_catches_swapped_payload_and_wrong_expert() -> None:
     """check_dispatch, fed by hand: exact input passes, each single fault is named."""
     import torch
-    from _ep_reference import GlobalRouting, check_dispatch, expected_for_rank, make_inputs
-    from ep_adapters import Dispatched, Shape
+
+    from ep_image.probes._ep_reference import (
+        GlobalRouting,
+        check_dispatch,
+        expected_for_rank,
+        make_inputs,
+    )
+    from ep_image.probes.ep_adapters import Dispatched, Shape
 
     cpu = torch.device("cpu")
     shape = Shape(tokens=16, hidden=16, experts=8, topk=2, dtype=torch.float32, device=cpu)
@@ -599,7 +605,8 @@ def test_reference_catches_swapped_payload_and_wrong_expert() -> None:
 def test_hybridep_routing_map_conversion() -> None:
     """The HybridEP adapter's map -> top-k conversion (pure torch, so it is testable here)."""
     import torch
-    from ep_adapters import _routing_map_to_topk
+
+    from ep_image.probes.ep_adapters import _routing_map_to_topk
 
     routing = torch.tensor([[True, False, True], [False, False, True], [False, False, False]])
     probs = torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.75], [0.0, 0.0, 0.0]])
@@ -610,7 +617,7 @@ def test_hybridep_routing_map_conversion() -> None:
 
 def test_file_contains_finds_needles_across_chunk_borders(tmp_path: Path) -> None:
     """How the probe tells a v1 build with NVSHMEM (links libnvshmem_host) from one without."""
-    import _facts
+    from ep_image.probes import _facts
 
     lib = tmp_path / "deep_ep_cpp.so"
     lib.write_bytes(b"\0" * 10 + b"libnvshmem_host.so.3" + b"\0" * 10)
@@ -624,8 +631,7 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     """DeepEP v2 compiles its kernels at first dispatch into EP_JIT_CACHE_DIR (~/.deep_ep): the
     report says where, whether it was warm, and whether GIN was turned off (measured on the
     H200: 36 s cold, 21 s warm, docs/probe-results.md)."""
-    import _ep_steps
-    import ep_adapters
+    from ep_image.probes import _ep_steps, ep_adapters
 
     cache = tmp_path / "jit"
     (cache / "kernels").mkdir(parents=True)

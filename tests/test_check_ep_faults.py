@@ -138,7 +138,7 @@ def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
     The probe used to put every rank whose LOCAL_RANK was past the visible GPU count on the
     CPU: here ranks 1-7, which then handed host tensors to a GPU backend.
     """
-    from _ep_dist import decide_placement
+    from ep_image.probes._ep_dist import decide_placement
 
     views = facts(*[(1, f"GPU-{i}") for i in range(8)])
     for rank in range(8):
@@ -148,7 +148,7 @@ def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
 
 
 def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
-    from _ep_dist import decide_placement
+    from ep_image.probes._ep_dist import decide_placement
 
     views = facts((1, "GPU-0"), (1, "GPU-0"))
     refused = decide_placement(views, 1, wants_gpu=True, ranks_per_gpu=1)
@@ -163,7 +163,7 @@ def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
 
 
 def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu() -> None:
-    from _ep_dist import decide_placement
+    from ep_image.probes._ep_dist import decide_placement
 
     views = facts((1, "GPU-0"), (0, None))
     for rank in (0, 1):
@@ -173,7 +173,7 @@ def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu()
 
 
 def test_eight_ranks_on_eight_visible_gpus_are_exclusive() -> None:
-    from _ep_dist import decide_placement
+    from ep_image.probes._ep_dist import decide_placement
 
     views = [{"rank": r, "host": "n", "gpus": 8, "index": r, "uuid": f"GPU-{r}"} for r in range(8)]
     place = decide_placement(views, 5, wants_gpu=True, ranks_per_gpu=1)
@@ -202,7 +202,7 @@ def calc_diff(x, y):
 
 
 def test_upstream_test_rewrites_only_init_dist() -> None:
-    from upstream_test import SHARED_INIT_DIST, rewrite_init_dist
+    from ep_image.probes.upstream_test import SHARED_INIT_DIST, rewrite_init_dist
 
     out = rewrite_init_dist(UTILS)
     assert SHARED_INIT_DIST in out and "backend='nccl'" not in out
@@ -215,7 +215,7 @@ def test_upstream_test_rewrites_only_init_dist() -> None:
 
 
 def test_upstream_test_refuses_a_shared_gpu_for_deepep_v2(tmp_path, capsys) -> None:
-    from upstream_test import main
+    from ep_image.probes.upstream_test import main
 
     (tmp_path / "elastic").mkdir()
     (tmp_path / "elastic" / "test_ep.py").write_text("")
@@ -228,8 +228,9 @@ def test_the_nccl_version_is_the_loaded_librarys() -> None:
     it actually loaded (on the GPU machine: 2.30.7 loaded while torch said 2.28.9)."""
     import importlib.metadata
 
-    import _facts
     import torch  # loads libnccl with the CUDA build of torch
+
+    from ep_image.probes import _facts
 
     loaded = _facts.loaded_nccl_version()
     assert loaded == importlib.metadata.version("nvidia-nccl-cu13")
@@ -246,7 +247,7 @@ def test_a_cxx_extension_with_its_own_libstdcxx_is_recognised(
     import shutil
     import subprocess
 
-    import _facts
+    from ep_image.probes import _facts
 
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
@@ -264,7 +265,7 @@ def test_a_cxx_extension_with_its_own_libstdcxx_is_recognised(
 def test_upstream_test_counts_cases_that_ran_through_their_checks() -> None:
     """DeepEP v2's own test prints no per-case "passed"; a case completed when the next one
     starts (its asserts come first), and a run cut off by its limit does not count the last."""
-    import upstream_test
+    from ep_image.probes import upstream_test
 
     log = "Config:\n > Ranks: 1\n" + "".join(
         f" > Testing with do_handle_copy={i} ...\n   * EP: 0/1 | dispatch: 1 GB/s\n\n"

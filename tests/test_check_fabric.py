@@ -21,16 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _fabric
-import _internode
-import check_fabric
 import pytest
 from conftest import run_probe_in
 from fake_installs import fake_deep_ep
 from fake_sysfs import PROPRIETARY_BANNER, Nic, build_node, dgx_like
 
+from ep_image.probes import _fabric, _internode, check_fabric
+
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "probes" / "check_fabric.py"
+PROBE = "ep_image.probes.check_fabric"
 
 
 #: Variables the probe reads; cleared so the caller's shell cannot change a verdict.
@@ -397,7 +396,7 @@ def test_bad_usage_is_one_line_exit_2(tmp_path: Path) -> None:
 
 def test_help_reads_like_the_docs() -> None:
     proc = subprocess.run(
-        [sys.executable, str(PROBE), "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", PROBE, "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0
     for phrase in ("internode expert parallelism", "--require", "--root DIR", "exit codes:"):

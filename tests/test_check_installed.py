@@ -1,4 +1,4 @@
-"""scripts/check_installed.py's library check against real ELF files and the real loader.
+"""ep_image/build/check_installed.py's library check against real ELF files and the real loader.
 
 Every library here is built by gcc in the test: an extension reaching its dependency through
 RUNPATH ``$ORIGIN`` outside site-packages, one whose dependency exists only as a same-named
@@ -13,10 +13,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import check_installed
 import pytest
 
 from ep_image import ld_trace
+from ep_image.build import check_installed
 
 EXT = "deep_ep_cpp.cpython-311-x86_64-linux-gnu.so"
 

@@ -19,15 +19,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-import _facts
-import check_te
 import pytest
-from _report import Status
 from conftest import run_probe_in
 
+from ep_image.probes import _facts, check_te
+from ep_image.probes._report import Status
+
 ROOT = Path(__file__).resolve().parents[1]
-PROBES = ROOT / "probes"
-PROBE = PROBES / "check_te.py"
+PROBE = "ep_image.probes.check_te"
 
 
 te_absent = pytest.mark.skipif(
@@ -64,7 +63,7 @@ def test_missing_te_exits_4_cleanly(tmp_path: Path) -> None:
     assert list(steps) == list(check_te.STEP_NAMES)
     assert steps["import"]["status"] == "missing"
     assert "transformer_engine is not installed" in steps["import"]["detail"]
-    assert "scripts/build_te.py" in steps["import"]["hint"]
+    assert "python3 -m ep_image.build.build_te" in steps["import"]["hint"]
     assert all(steps[n]["status"] == "not run" for n in check_te.STEP_NAMES[1:])
     assert report["exit_code"] == 4 and report["result"] == "missing"
     assert "result: missing (exit 4)" in proc.stdout
@@ -221,7 +220,7 @@ def test_cudnn_mismatch_fails_naming_both_and_the_winner(real_loaded: dict) -> N
     assert "built against cuDNN 9.20.0" in detail
     assert f"cuDNN {real_loaded['version']} is loaded" in detail
     assert real_loaded["path"] in detail
-    assert "/opt/venvs/moe/nvidia/cudnn/lib" in hint and "build_te.py" in hint
+    assert "/opt/venvs/moe/nvidia/cudnn/lib" in hint and "ep_image.build.build_te" in hint
 
 
 def test_cudnn_without_build_record_is_reported_not_failed(real_loaded: dict) -> None:
@@ -269,7 +268,7 @@ def test_loaded_cudnn_versions_each_mapped_copy(tmp_path: Path) -> None:
     shutil.copy2(venv_lib, copy)
     code = (
         "import json, sys, ctypes, torch; torch.backends.cudnn.version(); "
-        f"ctypes.CDLL({str(copy)!r}); sys.path.insert(0, {str(PROBES)!r}); import _facts; "
+        f"ctypes.CDLL({str(copy)!r}); from ep_image.probes import _facts; "
         "print(json.dumps(_facts.loaded_cudnn()))"
     )
     out = subprocess.run(
@@ -293,7 +292,7 @@ def test_te_exception_is_unusable_with_the_cudnn_fix() -> None:
         raise RuntimeError(seen)
     assert caught.value.status == Status.ERROR
     assert caught.value.detail.startswith("fused attention backward raised RuntimeError: ")
-    assert "scripts/build_te.py" in caught.value.hint
+    assert "python3 -m ep_image.build.build_te" in caught.value.hint
     with pytest.raises(check_te.StepFailed) as caught, check_te._te_call("te.Linear forward"):
         raise ValueError("shape mismatch")
     assert caught.value.hint == ""

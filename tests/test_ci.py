@@ -1,4 +1,4 @@
-"""README's commands, .ci/run and scripts/bootstrap.py agree, and the pinned uv is one version.
+"""README's commands, .ci/run and bootstrap.py agree, and the pinned uv is one version.
 
 Why: a newcomer runs README's two commands on a fresh machine; CI runs .ci/run. If the two
 drift, CI proves something the newcomer never runs. The uv version is written in
@@ -19,7 +19,7 @@ from ep_image import tools
 ROOT = Path(__file__).resolve().parents[1]
 
 
-BOOTSTRAP = ROOT / "scripts" / "bootstrap.py"
+BOOTSTRAP = "ep_image.build.bootstrap"
 
 
 def readme_command(label: str) -> str:
@@ -31,7 +31,7 @@ def readme_command(label: str) -> str:
 
 def test_ci_run_runs_readmes_test_command() -> None:
     command = readme_command("The tests")
-    assert command.startswith("python3 scripts/bootstrap.py --tests -- uv run")
+    assert command.startswith("python3 -m ep_image.build.bootstrap --tests -- uv run")
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert any(line.startswith(command + " ") or line == command for line in lines), (
         f".ci/run does not run README's test command: {command}"
@@ -40,7 +40,8 @@ def test_ci_run_runs_readmes_test_command() -> None:
 
 def test_the_main_job_installs_uv_first() -> None:
     command = readme_command("The main job")
-    assert command.startswith("python3 scripts/bootstrap.py && python3 scripts/make_venv.py")
+    first_two = "python3 -m ep_image.build.bootstrap && python3 -m ep_image.build.make_venv"
+    assert command.startswith(first_two)
 
 
 def test_one_uv_version_everywhere() -> None:
@@ -60,7 +61,7 @@ def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
         "print(subprocess.check_output(['uv', '--version'], text=True)); sys.exit(3)"
     )
     proc = subprocess.run(
-        [sys.executable, str(BOOTSTRAP), "--", sys.executable, "-c", check],
+        [sys.executable, "-m", BOOTSTRAP, "--", sys.executable, "-c", check],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr
@@ -69,7 +70,7 @@ def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
 
 
 def test_bootstrap_help_reads_like_documentation() -> None:
-    proc = subprocess.run([sys.executable, str(BOOTSTRAP), "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", BOOTSTRAP, "--help"], capture_output=True,
                           text=True, check=True)  # fmt: skip
     for text in ("--tests", tools.UV_VERSION, "buildah", "debootstrap", "COMMAND"):
         assert text in proc.stdout, text

@@ -1,4 +1,4 @@
-"""scripts/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
+"""ep_image/build/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
 
 The venvs are made with UV_LINK_MODE=copy: every file a separate copy. Each test states one rule
 of docs/host-mode.md ("Deduplicating venvs") and checks it against an independent measurement:
@@ -22,12 +22,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import dedup
-import dedup_tree
 import pytest
 from _fault_inject import build_shim, faulty_env
 from _venv_helpers import (
-    SCRIPTS,
     apparent_bytes,
     build_wheel,
     copy_env,
@@ -39,12 +36,14 @@ from _venv_helpers import (
     uv,
 )
 
+from ep_image.build import dedup, dedup_tree
+
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534
 
 
 def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPTS / "dedup.py"), *map(str, args)]
+    cmd = [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 

@@ -1,4 +1,4 @@
-"""scripts/dedup.py when a run does not go as planned: killed, a ROOT or a file removed under
+"""ep_image/build/dedup.py when a run does not go as planned: killed, a ROOT or a file removed under
 it, a bad argument, odd names, inodes shared with the world outside the ROOTs.
 
 Each test runs dedup.py as a subprocess on real trees, with the real util-linux hardlink, and
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _venv_helpers import ROOT, SCRIPTS, inodes, make_uv_venv, snapshot
+from _venv_helpers import PYCACHE, ROOT, inodes, make_uv_venv, snapshot
 
 PACKAGES = ("six==1.17.0", "packaging==26.4")
 TRACEBACK = "Traceback"
@@ -33,7 +33,7 @@ NOBODY = 65534
 
 
 def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPTS / "dedup.py"), *map(str, args)]
+    cmd = [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -115,7 +115,7 @@ def test_read_only_killed_after_clearing_write_bits_is_undone_by_the_next_run(
     marker = tmp_path / "hardlink-finished"
     env = wrapped_hardlink(tmp_path / "wrap", after=f"touch {marker}; sleep 600")
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "dedup.py"), "--read-only", str(a), str(b)],
+        [sys.executable, "-m", "ep_image.build.dedup", "--read-only", str(a), str(b)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -161,7 +161,7 @@ def test_a_plain_run_after_a_killed_read_only_run_gives_the_modes_back(tmp_path:
     marker = tmp_path / "hardlink-started"
     env = wrapped_hardlink(tmp_path / "wrap", before=f"touch {marker}; sleep 600")
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "dedup.py"), "--read-only", str(a), str(b)],
+        [sys.executable, "-m", "ep_image.build.dedup", "--read-only", str(a), str(b)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -369,7 +369,7 @@ def test_chmod_and_touch_reach_every_venv_that_shares_the_inode(tmp_path: Path) 
 def test_dedup_tree_has_a_command_line_whose_figures_are_dus(tmp_path: Path) -> None:
     a, b = _small_trees(tmp_path)
     os.link(a / "lib/dup1.bin", b / "lib/extra.bin")
-    script = [sys.executable, str(SCRIPTS / "dedup_tree.py")]
+    script = [sys.executable, "-m", "ep_image.build.dedup_tree"]
     helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "usage: dedup_tree.py" in helped.stdout
     assert "du -sxcB1" in helped.stdout
@@ -400,17 +400,15 @@ def test_read_only_refuses_a_root_it_cannot_record_modes_in(tmp_path: Path) -> N
     try:
         base.chmod(0o755)
         a, b = _small_trees(base)
-        scripts = base / "scripts"
-        scripts.mkdir()
-        for name in ("dedup.py", "dedup_tree.py"):
-            shutil.copy(SCRIPTS / name, scripts)
+        shutil.copytree(ROOT / "ep_image", base / "ep_image", ignore=PYCACHE)
         kw: dict = {"capture_output": True, "text": True, "timeout": 120}
         if as_root:
             kw |= {"user": NOBODY, "group": NOBODY}
         else:
             a.chmod(0o555)
         state = inodes(a), inodes(b), modes(a), modes(b)
-        proc = subprocess.run([python, str(scripts / "dedup.py"), "--read-only", a, b], **kw)
+        cmd = [python, "-m", "ep_image.build.dedup", "--read-only", a, b]
+        proc = subprocess.run(cmd, cwd=base, **kw)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert TRACEBACK not in proc.stderr and "Nothing was changed" in proc.stderr
         assert last_line(proc.stderr).startswith("dedup: fix: run dedup as the owner")

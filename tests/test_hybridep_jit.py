@@ -414,8 +414,9 @@ def _as_another_user(fn: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def open_dir() -> Iterator[Path]:
-    """A directory another user can reach (pytest's own is 0700 under root)."""
-    path = Path(tempfile.mkdtemp(prefix="hybridep-jit-"))
+    """A directory another user can reach: under /tmp, as pytest's own is 0700 under root and
+    TMPDIR may be a private directory (.ci/run's is)."""
+    path = Path(tempfile.mkdtemp(prefix="hybridep-jit-", dir="/tmp"))
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)

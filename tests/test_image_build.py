@@ -32,7 +32,7 @@ The CI profile, and what it leaves out (printed by the tests as well):
 - The real DeepEP v1 and HybridEP are not built (their git source needs GitHub and an hour of
   nvcc): VENV_SKIP_PACKAGES also leaves out `deep-ep`, so the deepep_v1 venv holds everything
   but its own distribution; the stand-in proves the build path around them.
-- No GPU: deep_ep is not imported (it needs the driver); probes/check_ep.py on a GPU does that.
+- No GPU: deep_ep is not imported (it needs the driver); check_ep.py on a GPU does that.
 
 The base image is Debian bookworm (debootstrap minbase + python3, python3-venv, ca-certificates,
 git) plus the stand-in base-image cuDNN; its root filesystem tarball is cached in
@@ -67,11 +67,13 @@ import pytest
 from _image_storage import image_bytes, layer_chain
 from _progress import Progress
 from _venv_helpers import tree_differences
+from test_source_build import fake_cuda, rdma_home
 
 from ep_image import backends, dockerfile, nvshmem, project, tools
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
+BOOTSTRAP_TESTS = "python3 -m ep_image.build.bootstrap --tests"
 
 
 CACHE = Path(os.environ.get("EP_IMAGE_TEST_CACHE", "/var/cache/ep-image-test"))
@@ -176,29 +178,30 @@ def test_every_build_arg_is_documented_with_a_default() -> None:
     assert used <= set(top), f"ARGs used in stages but not documented at the top: {used - set(top)}"
 
 
-def test_input_stages_hold_what_the_scripts_import(tmp_path: Path) -> None:
-    """te-inputs / venv-inputs copy single files; each script must run from just those."""
+def test_input_stages_hold_what_the_build_steps_import(tmp_path: Path) -> None:
+    """te-inputs / venv-inputs copy single files; each build step must run from just those."""
     text = DOCKERFILE.read_text()
-    for stage, script in (("te-inputs", "build_te.py"), ("venv-inputs", "make_venv.py")):
+    for stage, step in (("te-inputs", "build_te"), ("venv-inputs", "make_venv")):
         body = text.split(f"AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
         copies = re.findall(r"^COPY ((?:[^\n\\]|\\\n)+)$", body, re.MULTILINE)
         root = tmp_path / stage
         for copy in copies:
             if copy.startswith("--from=") or "${" in copy:
-                continue  # another stage's output, or the TE source: not the script's imports
+                continue  # another stage's output, or the TE source: not the steps' imports
             *sources, dest = copy.replace("\\\n", " ").split()
             for source in sources:
                 target = root / dest.removeprefix("/opt/ep-image/") / Path(source).name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / source, target)
-        # Every script the stage holds (make_venv.py runs dedup.py as a subprocess).
-        for held in sorted((root / "scripts").glob("*.py")):
-            proc = subprocess.run([sys.executable, str(held), "--help"],
+        # Every step the stage holds (make_venv runs dedup as a subprocess), importing only the
+        # stage's copy of the package: no PYTHONPATH to this checkout.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        for held in sorted((root / "ep_image" / "build").glob("[!_]*.py")):
+            module = f"ep_image.build.{held.stem}"
+            proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, env=env,
                                   capture_output=True, text=True)  # fmt: skip
-            assert proc.returncode == 0, (
-                f"{stage} lacks a module {held.name} imports:\n{proc.stderr}"
-            )
-        assert (root / "scripts" / script).is_file()
+            assert proc.returncode == 0, f"{stage} lacks a module {module} imports:\n{proc.stderr}"
+        assert (root / "ep_image" / "build" / f"{step}.py").is_file()
 
 
 def test_storage_driver_is_overlay_only_where_it_mounts(
@@ -465,7 +468,7 @@ def buildah(pytestconfig: pytest.Config) -> Iterator[Buildah]:
     """
     for tool in ("buildah", "debootstrap", "git"):
         if shutil.which(tool) is None:
-            pytest.skip(f"{tool} not installed (python3 scripts/bootstrap.py --tests installs it)")
+            pytest.skip(f"{tool} not installed ({BOOTSTRAP_TESTS} installs it)")
     if os.geteuid() != 0:
         pytest.skip("buildah with chroot isolation and debootstrap need root here")
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -610,7 +613,7 @@ print("PROBE " + json.dumps({
     "marker": (next(Path(sys.prefix).glob("lib/python3*/site-packages"))
                / backend["marker_file"]).is_file(),
     "manifest": (prefix / "env-manifest.json").is_file(),
-    "probes": sorted(p.name for p in Path("/opt/ep-image/probes").glob("check_*.py")),
+    "probes": sorted(p.name for p in Path(sys.prefix, "bin").glob("check-*")),
     "registry": (Path("/opt/ep-image/ep_image/backends.py")).is_file(),
     "stages": sorted(p.name for p in Path("/etc/ep-image/stages").glob("*.json")),
     "etc": sorted(p.name for p in Path("/etc/ep-image").iterdir()),
@@ -669,8 +672,8 @@ def test_multi_backend_image(
     assert data["python"] == "/opt/venvs/deepep_v2"
     assert data["dist"] == ["sgl-deep-ep", "0.1.2.post1"]
     assert data["marker"] is True
-    assert data["manifest"] is True  # probes/check_env.py ran in the final stage
-    assert "check_ep.py" in data["probes"]  # the probes ship in the image
+    assert data["manifest"] is True  # check-env ran in the final stage
+    assert "check-ep" in data["probes"]  # the active venv's bin/ holds the probes
     assert data["registry"] is True  # and the registry they import
     # Only the selected stages were built, and nothing writes records nobody reads.
     assert data["stages"] == ["deepep_v1.json", "deepep_v2.json"]
@@ -802,7 +805,7 @@ def test_changing_only_ep_reuses_every_backend_stage(
 ) -> None:
     assert single_build.step_cached("apt-get install"), "base stage (apt) was rebuilt"
     assert single_build.step_cached('"uv=='), "base stage (uv install) was rebuilt"
-    assert single_build.step_cached("scripts/build_te.py"), "te stage was rebuilt"
+    assert single_build.step_cached("ep_image.build.build_te"), "te stage was rebuilt"
     assert single_build.step_cached("--backend deepep_v2 "), "venv was rebuilt"
     visited = single_build.stages_visited()
     assert "ep-deepep_v1" not in visited and "ep-hybridep" not in visited, visited
@@ -887,6 +890,21 @@ def fake_context(git_mirror: tuple[Path, str], tmp_path_factory: pytest.TempPath
     return context
 
 
+def with_source_build_tools(buildah: Buildah, base: str, work: Path) -> str:
+    """``base`` plus what make_venv's preflight asks of a source build (an nvcc that prints its
+    release, the driver stubs, rdma-core's headers), as stand-ins: the stand-in HybridEP
+    compiles with cc, and a CUDA toolkit would not fit a 2-core CI machine's disk."""
+    name = f"{base}-source-build-tools"
+    ctr = buildah("from", base).stdout.strip()
+    try:
+        buildah("copy", ctr, str(fake_cuda(work / "cuda")), "/usr/local/cuda")
+        buildah("copy", ctr, str(rdma_home(work / "rdma") / "include"), "/usr/include")
+        buildah("commit", "--quiet", ctr, name)
+    finally:
+        buildah("rm", ctr, check=False)
+    return name
+
+
 @pytest.mark.slow
 def test_git_source_builds_through_the_gitconfig_secret(
     buildah: Buildah,
@@ -898,7 +916,8 @@ def test_git_source_builds_through_the_gitconfig_secret(
 ) -> None:
     _root, mirror = git_mirror
     buildah("rmi", "ep-image:ci-single", check=False)  # done with; its disk is needed here
-    args = {**build_args(base_image, "hybridep"), "VENV_SKIP_PACKAGES": ""}
+    base = with_source_build_tools(buildah, base_image, tmp_path / "tools")
+    args = {**build_args(base, "hybridep"), "VENV_SKIP_PACKAGES": ""}
     # Without the secret: the clone goes to github.com and fails; the message names the fix.
     offline = buildah.bud("ep-image:hybridep-offline", args, "hybridep-offline", fake_context,
                           target="ep-hybridep")  # fmt: skip

@@ -1,4 +1,4 @@
-"""scripts/make_venv.py with real uv: a real backend venv from the lock, and its failure paths.
+"""make_venv.py with real uv: a real backend venv from the lock, and its failure paths.
 
 The deepep_v2 build installs torch 2.14.1 (CUDA build, ~5 GB) from uv's cache; the first run on
 a machine downloads it. The HybridEP test proves the git-source failure is clean and names the
@@ -16,19 +16,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ep_backends
 import fake_hybridep
 import pytest
 from _venv_helpers import ROOT, SCRIPTS, build_wheel, site_packages
 from test_source_build import fake_cuda
 
+from ep_image import backends as ep_backends
 from ep_image import nvshmem, project, source_build, tools
 
-MAKE_VENV = SCRIPTS / "make_venv.py"
+MAKE_VENV = "ep_image.build.make_venv"
 
 
 def make_venv(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(MAKE_VENV), *map(str, args)]
+    cmd = [sys.executable, "-m", MAKE_VENV, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
 
 
@@ -51,7 +51,10 @@ def test_uv_missing_names_the_pinned_version(tmp_path: Path) -> None:
         pytest.skip("uv is installed system-wide here")
     proc = make_venv("--backend", "deepep_v2", "--prefix", tmp_path / "venvs", env=env)
     assert proc.returncode == 1
-    assert f"uv {tools.UV_VERSION}" in proc.stderr and "scripts/bootstrap.py" in proc.stderr
+    assert (
+        f"uv {tools.UV_VERSION}" in proc.stderr
+        and "python3 -m ep_image.build.bootstrap" in proc.stderr
+    )
 
 
 def test_help_reads_like_documentation() -> None:
@@ -64,7 +67,7 @@ def test_help_reads_like_documentation() -> None:
 def test_te_record_takes_exactly_the_recorded_wheel_or_fails(tmp_path: Path) -> None:
     """The image's ep stages COPY te-build.json and mount the te stage's output: an empty or
     different mount must fail the venv, not give it no TE or another TE."""
-    import make_venv as mv
+    from ep_image.build import make_venv as mv
 
     wheel = build_wheel(
         tmp_path / "te", "transformer_engine", "2.17.0", {"transformer_engine/__init__.py": ""}
@@ -123,7 +126,7 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
     )
     if missing_rdma_headers():
         pytest.skip(
-            "rdma-core headers missing (python3 scripts/bootstrap.py --tests installs them)"
+            "rdma-core headers missing (python3 -m ep_image.build.bootstrap --tests installs them)"
         )
     env = {
         **os.environ,
@@ -167,7 +170,7 @@ def test_hybridep_preflight_names_the_missing_toolkit_before_any_download(tmp_pa
 
 @pytest.mark.skipif(
     shutil.which("cc") is None,
-    reason="the stand-in HybridEP needs a C compiler (python3 scripts/bootstrap.py --tests)",
+    reason="the stand-in HybridEP needs a C compiler (python3 -m ep_image.build.bootstrap --tests)",
 )
 def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: Path) -> None:
     """Host mode's HybridEP build: the git source through url.<mirror>.insteadOf, and
@@ -206,9 +209,11 @@ def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
     stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
-    assert "/opt/ep-image/scripts/make_venv.py --complete --backend hybridep" in stage
-    assert "make_venv.py" in (SCRIPTS / "build_host.sh").read_text()
-    assert "nvshmem.build_environment(" in (SCRIPTS / "make_venv.py").read_text()
+    assert "python3 -m ep_image.build.make_venv --complete --backend hybridep" in stage
+    assert "ep_image.build.make_venv" in (SCRIPTS / "build_host.sh").read_text()
+    assert (
+        "nvshmem.build_environment(" in (ROOT / "ep_image" / "build" / "make_venv.py").read_text()
+    )
     for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh"]:
         if path.is_file():
             assert "NVSHMEM_DIR" not in path.read_text(), f"{path} has its own NVSHMEM set-up"
@@ -229,7 +234,7 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     venv = prefix / "deepep_v2"
     # --dedup (the image's ep stages): nothing identical is left unlinked inside the venv.
-    dry_run = [sys.executable, str(SCRIPTS / "dedup.py"), "--dry-run", "--json"]
+    dry_run = [sys.executable, "-m", "ep_image.build.dedup", "--dry-run", "--json"]
     again = subprocess.run([*dry_run, str(tmp_path / "d.json"), str(venv)],
                            capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
     left = json.loads((tmp_path / "d.json").read_text())
@@ -287,14 +292,14 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(
     shutil.which("cc") is None,
-    reason="the stand-in DeepEP needs a C compiler (python3 scripts/bootstrap.py --tests)",
+    reason="the stand-in DeepEP needs a C compiler (python3 -m ep_image.build.bootstrap --tests)",
 )
 def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     """Host mode: DeepEP v1 and HybridEP from their git commits (stand-ins of both layouts,
     through a mirror), each built by make_venv against its venv's NVSHMEM, then deduplicated."""
     if missing_rdma_headers():
         pytest.skip(
-            "rdma-core headers missing (python3 scripts/bootstrap.py --tests installs them)"
+            "rdma-core headers missing (python3 -m ep_image.build.bootstrap --tests installs them)"
         )
     version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(tmp_path / "mirror", version, dict(os.environ),

@@ -1,4 +1,4 @@
-"""scripts/make_venv.py when the user's machine gets in the way: one line naming the fix, no
+"""ep_image/build/make_venv.py when the user's machine gets in the way: one line naming the fix, no
 traceback, nothing half-built left, and never a second build deleting the first one's work.
 
 Real processes: a prefix that is a file, one this user may not write (make_venv run as nobody),
@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-from _venv_helpers import SCRIPTS
 from test_make_venv import leftovers, make_venv
 from test_source_build import fake_cuda
 
-MAKE_VENV = SCRIPTS / "make_venv.py"
+MAKE_VENV = "ep_image.build.make_venv"
 
 
 def no_traceback(proc: subprocess.CompletedProcess) -> None:
@@ -61,7 +60,7 @@ def test_a_prefix_this_user_cannot_write_is_named(request: pytest.FixtureRequest
     for prefix, says in ((locked / "venvs", "cannot create --prefix"),
                          (locked, "is not writable by this user")):  # fmt: skip
         proc = subprocess.run(
-            [python, str(MAKE_VENV), "--backend", "deepep_v2", "--prefix", str(prefix)],
+            [python, "-m", MAKE_VENV, "--backend", "deepep_v2", "--prefix", str(prefix)],
             capture_output=True, text=True, preexec_fn=as_nobody, timeout=120,
             env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
         )  # fmt: skip
@@ -76,7 +75,7 @@ def test_ctrl_c_leaves_nothing_half_built(tmp_path: Path) -> None:
     """SIGINT to the whole process group while uv syncs the real lock into the temporary venv."""
     prefix = tmp_path / "venvs"
     proc = subprocess.Popen(
-        [sys.executable, str(MAKE_VENV), "--backend", "deepep_v2", "--prefix", str(prefix)],
+        [sys.executable, "-m", MAKE_VENV, "--backend", "deepep_v2", "--prefix", str(prefix)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 300

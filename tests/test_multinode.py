@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "probes" / "check_ep.py"
+PROBE = "ep_image.probes.check_ep"
 NODE_BACKENDS = ROOT / "tests" / "fixtures" / "node_backends.py"
 NNODES, NPROC = 2, 2
 WORLD = NNODES * NPROC
@@ -70,7 +70,7 @@ def run_two_nodes(tmp: Path, probe_args: list[str], env: dict[str, str]) -> list
             "--nnodes", str(NNODES), "--node-rank", str(node),
             "--nproc-per-node", str(NPROC),
             "--master-addr", "127.0.0.1", "--master-port", str(port),
-            str(PROBE), *probe_args, "--json", str(tmp / f"node{node}.json"),
+            "-m", PROBE, *probe_args, "--json", str(tmp / f"node{node}.json"),
         ]  # fmt: skip
         procs.append(
             subprocess.Popen(

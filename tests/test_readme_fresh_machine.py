@@ -41,8 +41,8 @@ def test_torchrun_is_the_venvs_own() -> None:
     assert calls, "no multi-rank command shown"
     for call in calls:
         assert re.fullmatch(r"`?venvs/\w+/bin/torchrun", call), call
-    assert "probes/check_ep.py --nproc-per-node" in section
-    assert '"--nproc-per-node"' in (ROOT / "probes" / "check_ep.py").read_text()
+    assert "bin/check-ep --nproc-per-node" in section
+    assert '"--nproc-per-node"' in (ROOT / "ep_image" / "probes" / "check_ep.py").read_text()
 
 
 def _shows_skip_reasons(args: str) -> bool:

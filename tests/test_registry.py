@@ -12,11 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _ep_detect
 import pytest
 import yaml
 
 from ep_image import backends
+from ep_image.probes import _ep_detect
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def test_the_probe_reads_the_registry() -> None:
 def test_cli_lists_the_registry() -> None:
     def cli(*args: str) -> str:
         return subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "ep_backends.py"), *args],
+            [sys.executable, "-m", "ep_image.backends", *args],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
 
@@ -163,7 +163,7 @@ def test_a_variant_installs_its_backend_from_its_own_source() -> None:
 
 def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_venv.py"), "--backend", "deepep_v1",
+        [sys.executable, "-m", "ep_image.build.make_venv", "--backend", "deepep_v1",
          "--variant", "deepep_v2_pinned", "--prefix", str(tmp_path)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -175,7 +175,7 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
 def test_each_backend_has_the_adapter_of_its_layout() -> None:
     """check_ep's adapters are keyed by the API a layout ships; the registry says which backend
     ships which, so a backend's name is written in one place only."""
-    import ep_adapters
+    from ep_image.probes import ep_adapters
 
     for name, marker in backends.layout_markers():
         adapter = ep_adapters.BUILTIN[name]

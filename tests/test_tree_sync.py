@@ -1,4 +1,4 @@
-"""scripts/tree_sync.py: the target ends equal to the source, and only what differs is written.
+"""tree_sync.py: the target ends equal to the source, and only what differs is written.
 
 The image's multi-backend assembly relies on both halves: equal (the assembled venv is the
 backend stage's venv) and minimal (an untouched file keeps its inode, so it stays in the lower
@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import tree_sync
-from _venv_helpers import SCRIPTS, tree_differences
+from _venv_helpers import PYCACHE, ROOT, tree_differences
+
+from ep_image.build import tree_sync
 
 NOBODY = 65534
 
@@ -153,11 +154,10 @@ def test_an_unreadable_file_is_found_before_anything_is_written(tmp_path: Path) 
     base = Path(tempfile.mkdtemp(prefix="tree-sync-test-", dir="/tmp")) if as_root else tmp_path
     try:
         base.chmod(0o755)
-        src, dst, scripts = base / "src", base / "dst", base / "scripts"
+        src, dst = base / "src", base / "dst"
         _old_and_new(src, dst)
         write(src / "z" / "secret.so", "not for you\n").chmod(0o000)
-        scripts.mkdir()
-        shutil.copy(SCRIPTS / "tree_sync.py", scripts)
+        shutil.copytree(ROOT / "ep_image", base / "ep_image", ignore=PYCACHE)
         as_user: dict = {"capture_output": True, "text": True, "timeout": 120}
         if as_root:
             subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(base)], check=True)
@@ -165,17 +165,18 @@ def test_an_unreadable_file_is_found_before_anything_is_written(tmp_path: Path) 
         before = _state(dst)
 
         api = (
-            "import sys; sys.path.insert(0, sys.argv[1]); import tree_sync; from pathlib "
-            "import Path\ntry:\n    tree_sync.sync_tree(Path(sys.argv[2]), Path(sys.argv[3]))\n"
+            "import sys; sys.path.insert(0, sys.argv[1]); from ep_image.build import tree_sync\n"
+            "from pathlib import Path\ntry:\n"
+            "    tree_sync.sync_tree(Path(sys.argv[2]), Path(sys.argv[3]))\n"
             "except Exception as exc:\n    print(type(exc).__name__, exc); sys.exit(3)"
         )
-        proc = subprocess.run([system_python, "-c", api, scripts, src, dst], **as_user)
+        proc = subprocess.run([system_python, "-c", api, base, src, dst], **as_user)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert _state(dst) == before, "the target was changed before the file was found"
         assert proc.stdout.startswith("SyncError") and "cannot read this file" in proc.stdout
 
-        cli = [system_python, str(scripts / "tree_sync.py"), str(src), str(dst)]
-        proc = subprocess.run(cli, **as_user)
+        cli = [system_python, "-m", "ep_image.build.tree_sync", str(src), str(dst)]
+        proc = subprocess.run(cli, cwd=base, **as_user)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr
         assert str(src / "z" / "secret.so") in proc.stderr
@@ -201,7 +202,7 @@ def test_the_quick_check_trusts_size_mtime_mode_and_owner_as_documented(tmp_path
 
 
 def test_command_line_help_usage_and_errors(tmp_path: Path) -> None:
-    script = [sys.executable, str(SCRIPTS / "tree_sync.py")]
+    script = [sys.executable, "-m", "ep_image.build.tree_sync"]
     helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "usage: tree_sync.py" in helped.stdout
     for text in ("SOURCE", "TARGET", "quick check", "FIFO"):

@@ -1,4 +1,4 @@
-"""probes/upstream_test.py's report says which venv the oracle ran in and what its processes loaded.
+"""upstream_test.py's report says which venv the oracle ran in and what its processes loaded.
 
 A stand-in upstream test (its own tests/ folder, as a DeepEP checkout has) starts ranks with
 multiprocessing's spawn, as DeepEP's tests do through torch.multiprocessing, and one rank
@@ -11,8 +11,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-
-from _venv_helpers import ROOT
 
 TEST = """
 import argparse, multiprocessing as mp, sys
@@ -48,7 +46,7 @@ def test_the_oracles_processes_report_what_they_loaded(tmp_path: Path) -> None:
     (tests / "utils.py").write_text("def init_dist(local_rank, num_local_ranks):\n    pass\n")
     (tests / "test_intranode.py").write_text(TEST.format(outside=str(outside)))
     report = tmp_path / "upstream.json"
-    cmd = [sys.executable, str(ROOT / "probes" / "upstream_test.py"), "--backend", "deepep_v1",
+    cmd = [sys.executable, "-m", "ep_image.probes.upstream_test", "--backend", "deepep_v1",
            "--tests", str(tests), "--num-processes", "2", "--json", str(report)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,9 +1,9 @@
 """A real `uv sync` of backend extras into throwaway venvs, then an install-level check.
 
 What this proves: the lock installs on Linux x86_64 and each venv holds exactly its backend's
-`deep_ep` with every shared library its extension needs (scripts/check_installed.py).
+`deep_ep` with every shared library its extension needs (ep_image/build/check_installed.py).
 What it does NOT prove: that the backend works. deep_ep needs a GPU driver even to import;
-probes/check_ep.py on a GPU is what proves a backend works.
+ep_image/probes/check_ep.py on a GPU is what proves a backend works.
 
 The first run downloads ~5 GB (torch and the CUDA 13 libraries) into uv's cache; later runs
 hardlink from that cache in seconds (docs/benchmarks.md).
@@ -38,10 +38,10 @@ def sync(venv: Path, *extras: str, skip: tuple[str, ...] = ()) -> subprocess.Com
 
 
 def check_installed(venv: Path, backend: str, report: Path) -> subprocess.CompletedProcess[str]:
-    script = ROOT / "scripts" / "check_installed.py"
     args = [
         sys.executable,
-        str(script),
+        "-m",
+        "ep_image.build.check_installed",
         "--venv",
         str(venv),
         "--backend",
@@ -72,9 +72,9 @@ def test_sync_backend_extra_installs_its_backend(backend: str, tmp_path: Path) -
 
 
 def run_probe(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    probe = ROOT / "probes" / "check_ep.py"
     python = str(venv / "bin" / "python")
-    return subprocess.run([python, str(probe), *args], capture_output=True, text=True, timeout=900)
+    cmd = [python, "-m", "ep_image.probes.check_ep", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
@@ -101,7 +101,7 @@ def test_probe_runs_inside_a_backend_venv(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sync_moe_installs_default_backend_and_cudnn(tmp_path: Path) -> None:
-    """moe without TE's git build (the image builds TE once: scripts/build_te.py)."""
+    """moe without TE's git build (the image builds TE once: ep_image/build/build_te.py)."""
     venv = tmp_path / "moe"
     result = sync(venv, "moe")
     assert result.returncode == 0, result.stderr
@@ -122,7 +122,8 @@ def test_check_installed_flags_the_wrong_backend(tmp_path: Path) -> None:
     unknown = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "check_installed.py"),
+            "-m",
+            "ep_image.build.check_installed",
             "--venv",
             str(venv),
             "--backend",

@@ -1,4 +1,4 @@
-"""probes/_venv_record.py: a report names the venv it ran in and what came from outside it.
+"""ep_image/probes/_venv_record.py: a report names the venv it ran in and what came from outside it.
 
 Real interpreters: a uv venv with a make_venv-style record, and a process that imports a module
 and maps a shared object from a directory outside the venv (as a machine's own torch on
@@ -17,13 +17,13 @@ import pytest
 from _venv_helpers import ROOT, make_uv_venv
 
 PROBE = (
-    "import json, sys; sys.path.insert(0, {probes!r}); import _venv_record;"
+    "import json, sys; sys.path.insert(0, {root!r}); from ep_image.probes import _venv_record;"
     "{extra} print(json.dumps(_venv_record.environment_facts()))"
 )
 
 
 def facts(python: Path, extra: str = "", env: dict[str, str] | None = None) -> dict:
-    code = PROBE.format(probes=str(ROOT / "probes"), extra=extra)
+    code = PROBE.format(root=str(ROOT), extra=extra)
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True,
                          env=env).stdout  # fmt: skip
     return json.loads(out)

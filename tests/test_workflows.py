@@ -56,7 +56,7 @@ EXPECTED_WORKFLOWS = ("ci.yml", "image.yml", "image-build.yml", "gpu-probes.yml"
 
 #: Top-level directories (and files) of this repository that run steps may refer to.
 _REPO_PATH = re.compile(
-    r"(?<![\w./$-])((?:\.ci|\.github|docker|probes|scripts|tests)/[\w./*-]*[\w*])"
+    r"(?<![\w./$-])((?:\.ci|\.github|docker|ep_image|scripts|tests)/[\w./*-]*[\w*])"
 )
 #: A `uses:` line: the reference, then an optional `# comment`.
 _USES_LINE = re.compile(r"^\s*(?:-\s+)?uses:\s*['\"]?([^\s'\"#]+)['\"]?\s*(?:#\s*(\S+))?")
@@ -114,8 +114,20 @@ def local_ref(uses: object) -> str | None:
     return None
 
 
+#: ``python -m ep_image.x.y`` (and torchrun's ``-m``): the module's file must exist.
+_MODULE = re.compile(r"(?:^|\s)-m\s+(ep_image(?:\.\w+)*)")
+
+
+def module_path(module: str) -> str:
+    """The file ``python -m module`` runs: ``a/b.py``, else the package's ``a/b/__main__.py``."""
+    base = module.replace(".", "/")
+    main = f"{base}/__main__.py"
+    return main if (ROOT / main).is_file() else f"{base}.py"
+
+
 def _repo_paths(text: str) -> set[str]:
-    return {match.rstrip(".") for match in _REPO_PATH.findall(text)}
+    paths = {match.rstrip(".") for match in _REPO_PATH.findall(text)}
+    return paths | {module_path(m) for m in _MODULE.findall(text)}
 
 
 def referenced_paths() -> list[tuple[str, str]]:
@@ -270,10 +282,8 @@ def test_the_path_scan_sees_the_commands_that_matter() -> None:
     for must in (
         ".ci/run",
         "docker/Dockerfile",
-        "probes/check_env.py",
-        "probes/check_ep.py",
-        "probes/check_te.py",
-        "scripts/ep_backends.py",
+        "ep_image/probes/check_ep.py",
+        module_path("ep_image.backends"),
         "docker/ep-entrypoint",
         ".github/scripts/in-image.sh",
         ".github/workflows/image-build.yml",
@@ -359,9 +369,9 @@ def test_gpu_probe_choices_equal_the_backends() -> None:
 
 
 def test_ep_backends_names_cli_matches_pyproject() -> None:
-    """gpu-probes.yml expands `all` with `scripts/ep_backends.py --names`: same list, same order."""
+    """gpu-probes.yml expands `all` with `ep_image/backends.py --names`: same list, same order."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "ep_backends.py"), "--names"],
+        [sys.executable, "-m", "ep_image.backends", "--names"],
         capture_output=True,
         text=True,
         check=True,
@@ -481,3 +491,20 @@ def test_ci_and_ci_run_install_the_same_uv() -> None:
     assert wf["env"]["UV_VERSION"] == match.group(1)
     setups = [s for _, s in steps(wf) if str(s.get("uses", "")).startswith("astral-sh/setup-uv@")]
     assert setups and all(s["with"]["version"] == "${{ env.UV_VERSION }}" for s in setups)
+
+
+def test_commands_run_in_the_image_are_the_projects_entry_points() -> None:
+    """`in-image.sh CMD`: CMD is a [project.scripts] entry point, found on the active venv's
+    PATH because make_venv installs the project into every venv (or a launcher)."""
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        entry_points = set(tomllib.load(fh)["project"]["scripts"])
+    launchers = {"torchrun", "python", "python3", "bash", "sh"}
+    seen = set()
+    for wf_path in WORKFLOWS:
+        for _job, step in steps(load_workflow(wf_path)):
+            run = step.get("run")
+            if isinstance(run, str):
+                seen.update(re.findall(r"in-image\.sh\s+(?:\\\n\s*)?([\w-]+)", run))
+    assert seen, "no in-image.sh command found (or the scan broke)"
+    assert seen <= entry_points | launchers, seen - entry_points - launchers
+    assert {"check-env", "check-te", "check-fabric", "check-ep"} <= seen

@@ -13,7 +13,7 @@
 set -euo pipefail
 
 : "${IMAGE:?set IMAGE to the image reference to run}"
-: "${BACKEND:?set BACKEND to the backend whose venv to activate (scripts/ep_backends.py --names)}"
+: "${BACKEND:?set BACKEND to the backend whose venv to activate (python3 -m ep_image.backends --names)}"
 [ "$#" -gt 0 ] || { echo "usage: in-image.sh CMD [ARG ...]" >&2; exit 2; }
 
 mkdir -p reports

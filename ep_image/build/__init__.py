@@ -1,0 +1,1 @@
+"""The build steps the image and bare hosts share: venvs, TE, dedup, the image's stages."""

@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""bootstrap.py: install what this repository's commands need, on a machine with only Python.
+
+Why: README's two commands, the main job and the tests, must work on a fresh machine where
+nothing but ``python3`` is installed, and must use the uv that wrote uv.lock. This script
+installs exactly that, nothing else, and says what it did:
+
+- uv at the pinned version (ep_image/tools.py ``UV_VERSION``): the uv on PATH when it is that
+  version; otherwise the uv wheel from PyPI, its SHA-256 checked against PyPI's, unpacked into
+  ``~/.cache/ep-image/uv-<version>/bin`` (no pip, no venv module needed). make_venv.py
+  and build_te.py look there when uv is not on PATH.
+- with ``--tests``: what the test suite needs from the distribution, so the image tests run
+  instead of skipping: buildah, debootstrap, git, a C compiler (the stand-in HybridEP), GNU
+  make and libibverbs-dev (HybridEP's source build), with apt-get, only those missing. Without
+  root it prints the apt-get command and goes on; the tests that need them then skip and say why.
+
+    python3 -m ep_image.build.bootstrap [--tests] [-- COMMAND [ARG...]]
+
+With COMMAND, runs it with that uv first on PATH and exits with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import urllib.request
+import zipfile
+from pathlib import Path
+
+from ep_image.tools import UV_VERSION, bootstrap_dir
+
+#: PyPI's simple index in its JSON form (PEP 691), which every PyPI mirror serves.
+PYPI_SIMPLE = "https://pypi.org/simple/uv/"
+#: (command that must exist, or a file, Debian package) the tests need.
+TEST_PACKAGES: tuple[tuple[str, str], ...] = (
+    ("buildah", "buildah"),
+    ("debootstrap", "debootstrap"),
+    ("git", "git"),
+    ("cc", "gcc"),
+    ("make", "make"),
+    ("/usr/include/infiniband/verbs.h", "libibverbs-dev"),
+)
+
+
+def say(text: str) -> None:
+    print(f"bootstrap: {text}", file=sys.stderr, flush=True)
+
+
+def uv_version(uv: str) -> str | None:
+    """``uv --version``'s version number, or None if it does not run."""
+    try:
+        out = subprocess.run([uv, "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    parts = out.stdout.split()
+    return parts[1] if len(parts) > 1 else None
+
+
+def wheel_for_this_machine(files: list[dict]) -> dict:
+    """The manylinux wheel of uv UV_VERSION for this CPU from PyPI's file list."""
+    machine = platform.machine()
+    for entry in files:
+        name = entry["filename"]
+        wanted = name.startswith(f"uv-{UV_VERSION}-") and name.endswith(".whl")
+        if wanted and "manylinux" in name and machine in name:
+            return entry
+    raise SystemExit(f"bootstrap: PyPI has no manylinux uv {UV_VERSION} wheel for {machine}")
+
+
+def install_uv(target: Path) -> Path:
+    """Download the pinned uv wheel from PyPI, check its SHA-256, unpack uv and uvx."""
+    request = urllib.request.Request(
+        PYPI_SIMPLE, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    entry = wheel_for_this_machine(files)
+    say(f"downloading {entry['filename']} ({entry['size'] / 1e6:.0f} MB) from PyPI")
+    with urllib.request.urlopen(entry["url"], timeout=300) as response:
+        data = response.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry["hashes"]["sha256"]:
+        raise SystemExit(f"bootstrap: {entry['filename']}: SHA-256 {digest} is not PyPI's")
+    target.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
+        for tool in ("uv", "uvx"):
+            member = f"uv-{UV_VERSION}.data/scripts/{tool}"
+            partial = target / f".{tool}.partial"
+            partial.write_bytes(wheel.read(member))
+            partial.chmod(0o755)
+            partial.replace(target / tool)
+    return target / "uv"
+
+
+def ensure_uv() -> Path:
+    """The directory holding uv UV_VERSION (installing it if needed)."""
+    on_path = shutil.which("uv")
+    if on_path and uv_version(on_path) == UV_VERSION:
+        say(f"uv {UV_VERSION} on PATH: {on_path}")
+        return Path(on_path).parent
+    target = bootstrap_dir()
+    if uv_version(str(target / "uv")) != UV_VERSION:
+        if on_path:
+            say(f"uv on PATH is {uv_version(on_path)}; the lock was written by {UV_VERSION}")
+        install_uv(target)
+    say(f"uv {UV_VERSION}: {target / 'uv'}")
+    return target
+
+
+def missing_test_packages() -> list[str]:
+    """Debian packages of TEST_PACKAGES whose command or file is absent."""
+    missing = []
+    for need, package in TEST_PACKAGES:
+        present = Path(need).exists() if need.startswith("/") else shutil.which(need)
+        if not present:
+            missing.append(package)
+    return missing
+
+
+def ensure_test_packages() -> None:
+    """apt-get install what the tests need and is missing (root), else say the command."""
+    missing = missing_test_packages()
+    if not missing:
+        say("test tools present: " + ", ".join(p for _, p in TEST_PACKAGES))
+        return
+    command = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        say(f"missing {' '.join(missing)}; install them (as root): {' '.join(command)}. "
+            "Until then the image tests skip.")  # fmt: skip
+        return
+    say(f"installing {' '.join(missing)} with apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="bootstrap.py",
+        description=(
+            f"Install uv {UV_VERSION} (the version that wrote uv.lock) if it is not on PATH, and "
+            "with --tests the distribution packages the tests need; then run COMMAND, if "
+            "given, with that uv first on PATH."
+        ),
+        usage="python3 -m ep_image.build.bootstrap [--tests] [-- COMMAND [ARG...]]",
+    )
+    parser.add_argument(
+        "--tests",
+        action="store_true",
+        help="also install (apt-get, as root) " + ", ".join(p for _, p in TEST_PACKAGES),
+    )
+    args = parser.parse_args(argv)
+    uv_dir = ensure_uv()
+    if args.tests:
+        ensure_test_packages()
+    if not command:
+        return 0
+    env = {**os.environ, "PATH": f"{uv_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    say("running: " + " ".join(command))
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

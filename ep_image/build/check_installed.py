@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Say what an EP backend venv holds: installed, NOT yet proven to work.
+
+`uv sync` succeeding only proves that files landed. Before the GPU probes run (check_ep.py
+proves that a backend works), this check catches the cheap failures on any machine, GPU or not:
+the wrong distribution providing `deep_ep`, two of them at once, a missing identifying file,
+a compiled extension whose shared libraries the dynamic loader would not find (asked in
+trace mode, as `ldd` does: ep_image/ld_trace.py), or one that needs symbols those libraries do
+not export, e.g. built against another torch (bound by the loader: ep_image/abi.py). It never
+imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
+
+    check-installed --venv /opt/venvs/deepep_v2 --backend deepep_v2 [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ep_image import abi, ld_trace, project
+from ep_image import backends as ep_backends
+
+# Provided by the GPU driver on the host at run time, never by a venv or an image.
+DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
+DRIVER_WHERE = "GPU driver (host, at run time)"
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass
+class Report:
+    """What landed in the venv; `problems` empty means installed as expected."""
+
+    venv: str
+    backend: str
+    status: str = "installed, not yet proven to work"
+    site_packages: str = ""
+    distributions: dict[str, str] = field(default_factory=dict)
+    marker: str = ""
+    extensions: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    ld_library_path: str = ""  # the environment the loader was asked in
+    abi: list[dict[str, object]] = field(default_factory=list)  # symbols bound, per extension
+    problems: list[str] = field(default_factory=list)
+
+
+def find_site_packages(venv: Path) -> Path:
+    """The venv's site-packages (lib/pythonX.Y/site-packages)."""
+    try:
+        return project.site_packages(venv)
+    except project.VenvError as exc:
+        raise FileNotFoundError(str(exc)) from None
+
+
+def installed_distributions(site: Path) -> dict[str, str]:
+    """Normalised distribution name -> version, read from *.dist-info directories."""
+    dists: dict[str, str] = {}
+    for info in site.glob("*.dist-info"):
+        metadata = info / "METADATA"
+        if not metadata.is_file():
+            continue
+        name = version = ""
+        for line in metadata.read_text(errors="replace").splitlines():
+            if line.startswith("Name:"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("Version:"):
+                version = line.split(":", 1)[1].strip()
+            elif not line:
+                break
+        if name:
+            dists[ep_backends.normalize(name)] = version
+    return dists
+
+
+def resolve_extensions(site: Path, report: Report) -> None:
+    """Ask the dynamic loader where each library a deep_ep extension needs comes from.
+
+    The loader's own rules decide (RUNPATH and ``$ORIGIN``, LD_LIBRARY_PATH, ldconfig, torch's
+    libraries loaded first), so a same-named file elsewhere in site-packages satisfies nothing.
+    Only the GPU driver's libraries may be missing: the host provides them at run time.
+    """
+    extensions = [
+        *site.glob("deep_ep/*.so"),
+        *site.glob("deep_ep_cpp*.so"),
+        *site.glob("hybrid_ep_cpp*.so"),
+    ]
+    if not extensions:
+        report.problems.append("no compiled deep_ep extension (*.so) found: the build did not land")
+        return
+    report.ld_library_path = os.environ.get("LD_LIBRARY_PATH", "")
+    preload = ld_trace.torch_first(site)
+    for ext in extensions:
+        direct, deeper = ld_trace.resolve(ext, preload)
+        resolved: dict[str, str | None] = {}
+        for needed, where in direct.items():
+            if where is None and needed in DRIVER_LIBS:
+                resolved[needed] = DRIVER_WHERE
+                continue
+            resolved[needed] = where
+            if where is None:
+                report.problems.append(
+                    f"{ext.name} needs {needed}, which the dynamic loader does not find (its "
+                    "RUNPATH, LD_LIBRARY_PATH, ldconfig, or torch's libraries): install the "
+                    "package that ships it (e.g. nvidia-nvshmem-cu13, nvidia-nccl-cu13) or fix "
+                    "the extension's RUNPATH"
+                )
+        for needed in deeper:
+            if needed not in DRIVER_LIBS:
+                report.problems.append(
+                    f"{ext.name}: {needed}, needed by one of its libraries, is not found by the "
+                    "dynamic loader: install the package that ships it"
+                )
+        report.extensions[ext.name] = resolved
+
+
+#: Distributions whose compiled code must bind to the venv's torch besides the backend's.
+TE_DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu13")
+
+
+def check_symbols(venv: Path, site: Path, distributions: list[str], report: Report) -> None:
+    """Bind every symbol the extensions of ``distributions`` (what ships ``deep_ep`` here) and
+    TE's need, as importing them would (ep_image/abi.py): a library that is found can still lack
+    the symbol an extension built against another version needs."""
+    python = venv / "bin" / "python"
+    results = abi.check(site, python, [*distributions, *TE_DISTRIBUTIONS])
+    report.abi = [r.to_json() for r in results]
+    for result in results:  # libraries not found are already problems (resolve_extensions)
+        report.problems += result.problems(abi.torch_version(site), strict=False)
+
+
+def check(venv: Path, backend: str) -> Report:
+    """Inspect one venv for one backend without importing anything from it."""
+    report = Report(venv=str(venv), backend=backend)
+    site = find_site_packages(venv)
+    report.site_packages = str(site)
+    dists = installed_distributions(site)
+    registry = ep_backends.load_registry()
+    wanted = registry[backend]
+    shippers = {ep_backends.normalize(d) for d in ep_backends.known_distributions()}
+    present = {d: dists[d] for d in sorted(shippers) if d in dists}
+    report.distributions = present
+    if wanted.distribution not in present:
+        report.problems.append(
+            f"no distribution of {backend} ({wanted.distribution}) installed: "
+            f"sync with `uv sync --extra {backend}`"
+        )
+    if len(present) > 1:
+        report.problems.append(
+            f"several distributions ship deep_ep ({', '.join(present)}): they overwrite each "
+            "other; make one venv per backend"
+        )
+    marker = site / wanted.marker_file
+    report.marker = str(marker)
+    if not marker.is_file():
+        report.problems.append(
+            f"{wanted.marker_file} missing: deep_ep here is not {backend}'s layout"
+        )
+    resolve_extensions(site, report)
+    check_symbols(venv, site, [*present, wanted.distribution], report)
+    report.status = "problems found" if report.problems else "installed, not yet proven to work"
+    return report
+
+
+def print_report(report: Report) -> None:
+    print(f"{report.backend} in {report.venv}: {report.status}")
+    for dist, version in report.distributions.items():
+        print(f"  dist      {dist}=={version}")
+    for ext, libs in report.extensions.items():
+        for lib, where in libs.items():
+            print(f"  {ext:<40} {lib:<28} {where or 'NOT FOUND'}")
+    for result in report.abi:
+        name = Path(str(result["extension"])).name
+        verdict = "symbols bind" if result["ok"] else "symbols DO NOT bind"
+        driver = "" if result["driver"] == "real" else f" (GPU driver: {result['driver']})"
+        print(f"  {name:<40} {verdict}{driver}")
+    for problem in report.problems:
+        print(f"  PROBLEM   {problem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--venv", type=Path, required=True, help="the venv to inspect")
+    parser.add_argument("--backend", required=True, help=f"one of {ep_backends.valid_names_text()}")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    try:
+        ep_backends.validate_backend(args.backend)
+    except ep_backends.UnknownBackendError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        report = check(args.venv, args.backend)
+    except (FileNotFoundError, ld_trace.LoaderError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print_report(report)
+    if args.json:
+        project.write_json(args.json, asdict(report), sort_keys=False)
+    return EXIT_PROBLEM if report.problems else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""What a set of directory trees holds, counted the way `du` counts it: the books of dedup.py.
+
+Why a module of its own: util-linux `hardlink` does the finding and linking (dedup.py),
+but it does not say what a run freed on the disk. Its own "Saved" figure, like the old
+dedup.py's, counts a duplicate as saved even when the inode it dropped lives on through a link
+from outside the trees (uv's cache, another project): `du` over everything then shows nothing
+freed. So dedup.py walks the trees itself before and after, and this module keeps one record
+per inode: its size, its blocks (st_blocks * 512, what `du -B1` adds), its link count and how
+many of its paths lie under the trees. An inode whose every path under the trees was replaced,
+and that had no link elsewhere, is freed; one with links elsewhere is only shared.
+
+The same walk finds what hardlink itself does not handle: directories of another filesystem
+(hardlink 2.38/2.39 have no --mount), temporary links a killed hardlink left, and whether any
+`.pyc` under the trees is timestamp-validated (dedup.py's bytecode rule).
+
+Run on its own (``python3 -m ep_image.build.dedup_tree ROOT...``) it prints those books for trees as
+they are now: what dedup.py's report would call ``du_bytes_before``, without changing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import stat
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: util-linux hardlink links the kept file to "<duplicate>.hardlink-temporary", then renames it
+#: over the duplicate (misc-utils/hardlink.c, file_link(), 2.38 to 2.41).
+TEMP_SUFFIX = ".hardlink-temporary"
+#: The temporary names of the dedup.py before it used hardlink (a crash could leave one).
+LEGACY_TEMP = re.compile(r"^\.dedup-tmp-[0-9a-f]+-[0-9]+$")
+WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+#: dedup.py --read-only writes the modes it is about to clear here, in each ROOT, before it
+#: clears them, and removes the file when the run is done: a run killed in between leaves it,
+#: and the next run gives those modes back. Never linked, never counted.
+MODES_JOURNAL = ".dedup-read-only-modes.json"
+_ERE_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+
+
+@dataclass(slots=True)
+class Inode:
+    """One regular file's inode as the walk saw it."""
+
+    size: int
+    blocks: int  # bytes on disk, st_blocks * 512: what `du -B1` adds for it
+    nlink: int  # links anywhere on the filesystem
+    mode: int  # permission bits
+    uid: int
+    gid: int
+    path: str  # one of its paths under the trees ("" unless the scan was asked to keep them)
+    here: int = 1  # how many of its paths lie under the trees
+    candidate: bool = False  # some path of it may be linked (not excluded, not too small)
+
+    @property
+    def linked_outside(self) -> bool:
+        """True if a path outside the trees links it too (uv's cache, another prefix)."""
+        return self.nlink > self.here
+
+
+@dataclass
+class Tree:
+    """Everything a walk of the trees found."""
+
+    files: dict[tuple[int, int], Inode] = field(default_factory=dict)
+    other_blocks: int = 0  # directories, symlinks, devices: their own blocks, as du counts
+    files_scanned: int = 0
+    other_filesystems: list[str] = field(default_factory=list)
+    timestamp_pyc: str | None = None  # first timestamp-validated .pyc seen, if looked for
+    stale_temps: list[str] = field(default_factory=list)
+    vanished_roots: list[str] = field(default_factory=list)  # gone before the walk reached them
+    #: path -> inode of every file hardlink may link (only when the scan was asked to index)
+    index: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def apparent_bytes(self) -> int:
+        """Sum of file sizes, each inode once."""
+        return sum(inode.size for inode in self.files.values())
+
+    def du_bytes(self) -> int:
+        """What `du -sxcB1 ROOT...` prints as its total: blocks of every inode, once."""
+        return self.other_blocks + sum(inode.blocks for inode in self.files.values())
+
+
+def glob_to_regex(pattern: str) -> str:
+    """A dedup.py exclude pattern (fnmatch) as a POSIX extended regex over an absolute path.
+
+    A pattern without "/" matches the file name, one with "/" the path's last components:
+    ``bin/activate*`` becomes ``/bin/activate[^/]*$``. The result means the same to Python's
+    `re` and to hardlink's regcomp(REG_EXTENDED): only ``[^/]``, brackets and escapes are used.
+    """
+    out: list[str] = ["/"]
+    i, body = 0, pattern.lstrip("/")
+    while i < len(body):
+        char = body[i]
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[" and "]" in body[i + 2 :]:
+            end = body.index("]", i + 2)
+            inner = body[i + 1 : end]
+            out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]")
+            i = end
+        else:
+            out.append("\\" + char if char in _ERE_SPECIAL else char)
+        i += 1
+    return "".join(out) + "$"
+
+
+def literal_regex(path: str) -> str:
+    """A POSIX extended regex matching ``path`` and everything below it."""
+    return "^" + _ere_literal(path) + "(/|$)"
+
+
+def paths_regexes(paths: Iterable[str], chunk: int = 100_000) -> list[str]:
+    """POSIX extended regexes that match exactly ``paths`` (absolute), each at most ``chunk``
+    characters (an argument of a command line may hold 128 KiB).
+
+    One regex per path would cost hardlink a regexec per file and per regex (1,000 of them
+    over 40,000 files: 31 s); names grouped by directory into alternations cost next to
+    nothing (20,000 paths: 1 s).
+    """
+    by_dir: dict[str, list[str]] = {}
+    for path in sorted(set(paths)):
+        directory, _, name = path.rpartition("/")
+        by_dir.setdefault(directory, []).append(name)
+    pieces: list[str] = []
+    for directory, names in by_dir.items():
+        head = "^" + _ere_literal(directory) + "/("
+        group: list[str] = []
+        for name in names:
+            if group and len(head) + sum(len(g) + 1 for g in group) + len(name) + 3 > chunk:
+                pieces.append(head + "|".join(group) + ")$")
+                group = []
+            group.append(_ere_literal(name))
+        pieces.append(head + "|".join(group) + ")$")
+    regexes: list[str] = []
+    for piece in pieces:
+        if regexes and len(regexes[-1]) + 1 + len(piece) <= chunk:
+            regexes[-1] += "|" + piece
+        else:
+            regexes.append(piece)
+    return regexes
+
+
+def _ere_literal(text: str) -> str:
+    return "".join("\\" + c if c in _ERE_SPECIAL else c for c in text)
+
+
+def timestamp_validated(pyc: str) -> bool:
+    """True if ``pyc`` is validated by its source's mtime (PEP 552 flags word 0).
+
+    Such a .pyc is valid only while its source keeps the mtime it records; a hash-checked one
+    (make_venv.py's, or anything compiled with SOURCE_DATE_EPOCH set) is valid whatever it is.
+    """
+    try:
+        with open(pyc, "rb") as handle:
+            header = handle.read(16)
+    except OSError:
+        return False
+    return len(header) == 16 and int.from_bytes(header[4:8], "little") == 0
+
+
+def scan(
+    roots: Iterable[Path],
+    device: int,
+    exclude: re.Pattern[str] | None,
+    min_size: int,
+    skipped: Counter[str],
+    *,
+    find_timestamp_pyc: bool = False,
+    keep_paths: bool = False,
+    index_paths: bool = False,
+) -> Tree:
+    """Walk ``roots`` like ``find -xdev`` (lstat, no symlink followed) and book every inode.
+
+    A path that vanishes while it is walked is counted in ``skipped`` and left out, never an
+    error: the trees are not ours alone while we look at them. A root that is gone is listed
+    in ``vanished_roots``. dedup.py's journal of modes (MODES_JOURNAL) in a root is skipped.
+    """
+    tree = Tree()
+    for root in roots:
+        try:
+            tree.other_blocks += os.lstat(root).st_blocks * 512
+        except FileNotFoundError:
+            tree.vanished_roots.append(str(root))
+            continue
+        journals = {os.path.join(root, MODES_JOURNAL), os.path.join(root, MODES_JOURNAL + ".tmp")}
+        stack = [str(root)]
+        while stack:
+            directory = stack.pop()
+            try:
+                with os.scandir(directory) as entries:
+                    listed = list(entries)
+            except FileNotFoundError:
+                skipped["vanished during the scan"] += 1
+                continue
+            except OSError:
+                skipped["directories that cannot be listed"] += 1
+                continue
+            in_pycache = os.path.basename(directory) == "__pycache__"
+            for entry in listed:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    skipped["vanished during the scan"] += 1
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    if entry.path in journals:
+                        continue
+                    booked = _book_file(
+                        tree, entry.path, st, exclude, min_size, skipped, keep_paths
+                    )
+                    if index_paths and booked:
+                        tree.index[entry.path] = (st.st_dev, st.st_ino)
+                    if (
+                        find_timestamp_pyc
+                        and tree.timestamp_pyc is None
+                        and in_pycache
+                        and entry.name.endswith(".pyc")
+                        and timestamp_validated(entry.path)
+                    ):
+                        tree.timestamp_pyc = entry.path
+                    continue
+                if stat.S_ISDIR(st.st_mode) and st.st_dev != device:
+                    tree.other_filesystems.append(entry.path)
+                    skipped["directories on another filesystem (not descended)"] += 1
+                    continue
+                tree.other_blocks += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(entry.path)
+                elif stat.S_ISLNK(st.st_mode):
+                    skipped["symlinks"] += 1
+                else:
+                    skipped["devices, sockets, fifos"] += 1
+    return tree
+
+
+def _leftover_temp(path: str) -> bool:
+    """A temporary link a killed run left: hardlink's ``X.hardlink-temporary`` beside ``X``."""
+    name = os.path.basename(path)
+    if name.endswith(TEMP_SUFFIX):
+        return os.path.lexists(path[: -len(TEMP_SUFFIX)])
+    return LEGACY_TEMP.match(name) is not None
+
+
+def _book_file(
+    tree: Tree,
+    path: str,
+    st: os.stat_result,
+    exclude: re.Pattern[str] | None,
+    min_size: int,
+    skipped: Counter[str],
+    keep_path: bool,
+) -> bool:
+    """Book one regular file; True if hardlink may link this path (not excluded, not small)."""
+    if st.st_nlink >= 2 and _leftover_temp(path):
+        tree.stale_temps.append(path)
+        return False
+    tree.files_scanned += 1
+    if exclude is not None and exclude.search(path):
+        skipped["excluded (rewritten in place by tools)"] += 1
+        candidate = False
+    elif st.st_size < min_size:
+        skipped[f"smaller than --min-size {min_size}"] += 1
+        candidate = False
+    else:
+        candidate = True
+    key = (st.st_dev, st.st_ino)
+    inode = tree.files.get(key)
+    if inode is None:
+        tree.files[key] = Inode(
+            size=st.st_size,
+            blocks=st.st_blocks * 512,
+            nlink=st.st_nlink,
+            mode=stat.S_IMODE(st.st_mode),
+            uid=st.st_uid,
+            gid=st.st_gid,
+            path=path if keep_path else "",
+            candidate=candidate,
+        )
+    else:
+        inode.here += 1
+        inode.candidate = inode.candidate or candidate
+    return candidate
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def books(tree: Tree, skipped: Counter[str]) -> dict[str, object]:
+    """The walk's figures as dedup.py's report names them."""
+    return {
+        "files_scanned": tree.files_scanned,
+        "inodes": len(tree.files),
+        "inodes_shared_here": sum(inode.here > 1 for inode in tree.files.values()),
+        "inodes_linked_outside": sum(inode.linked_outside for inode in tree.files.values()),
+        "bytes": tree.apparent_bytes(),
+        "du_bytes": tree.du_bytes(),
+        "skipped": dict(skipped),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dedup_tree.py",
+        description=(
+            "Print what the given trees hold, counted the way `du -sxcB1 ROOT...` counts it: "
+            "each inode once, with its blocks; how many inodes are shared by several paths "
+            "under the trees and how many are also linked from outside them (uv's cache, "
+            "another prefix). These are the books dedup.py keeps before and after it "
+            "links; this command only reads."
+        ),
+        epilog="Example: python3 -m ep_image.build.dedup_tree /opt/venvs/*/",
+    )
+    parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to count")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    resolved = [Path(root).resolve() for root in args.roots]
+    for root, path in zip(args.roots, resolved, strict=True):
+        if not path.is_dir():
+            parser.error(f"{root} is not a directory: give existing trees")
+    devices = {os.stat(path).st_dev for path in resolved}
+    if len(devices) > 1:
+        parser.error("the ROOTs are on different filesystems: run it once per filesystem")
+    roots = [p for p in sorted(set(resolved)) if not any(q in p.parents for q in resolved)]
+    skipped: Counter[str] = Counter()
+    tree = scan(roots, devices.pop(), None, 0, skipped)
+    figures = books(tree, skipped)
+    if tree.vanished_roots:
+        print(f"dedup_tree: gone while counted: {' '.join(tree.vanished_roots)}", file=sys.stderr)
+        print("dedup_tree: run it again on trees that exist", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    for name, value in figures.items():
+        if name != "skipped":
+            print(f"{name}: {value}")
+    for reason, count in sorted(skipped.items()):
+        print(f"not regular files or left out: {reason}: {count}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

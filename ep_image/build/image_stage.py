@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The image's own steps: put the selected venvs together, then make the image usable.
+
+Why: the venvs are built by make_venv.py in stages of their own (``ep-<backend>``), the
+same way host mode builds them. What is left is specific to the image, and runs here:
+
+``assemble [--active EP_ACTIVE] BACKEND...`` (stage ``image-<EP>``), in one RUN so that one
+layer holds it all. Several backends: the stage starts from ``venvs-common``, whose layer holds
+every backend's venv skeleton (all but the backend's own distribution, hardlinked across them);
+each selected venv is made equal to the finished one in its stage (bind-mounted at
+``/mnt/ep-<backend>``) by tree_sync.py, which writes only what that stage changed (the
+backend's distribution, tens of MB); the skeletons EP does not select are removed. Then
+dedup.py links what is still identical across them, in this layer. With ``--in-place``
+(one backend, whose stage the image starts from) the venv is already there: only the other
+skeletons go, so an EP switch to one backend reuses that venv's layers. Then make one
+active (``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the
+registry's rule); put the venv's cuDNN ahead of the base image's (ep_image/build/stage_cudnn.py);
+write ``/opt/venvs/image.json``.
+
+``manifest`` (stage ``final``): ``/opt/venvs/env-manifest.json`` from ep_image/probes/check_env.py.
+
+The set of backends is decided once, by the stage the Dockerfile's ``FROM image-${EP}`` picks,
+whose RUN names them; EP itself is never parsed here (image.json records its canonical value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ep_image import SOURCE_ROOT, backends, child_env
+from ep_image.build import stage_cudnn, tree_sync
+from ep_image.project import SKELETON_RECORD as SKELETON_FILE
+from ep_image.project import VENV_RECORD as INFO_FILE
+from ep_image.project import write_json
+
+#: The active-backend switch, shell so that it runs before any Python (scripts/use-ep).
+USE_EP = SOURCE_ROOT / "scripts" / "use-ep"
+
+
+class StageError(RuntimeError):
+    """The stage cannot do its job; the message says why and what fixes it."""
+
+
+def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = False) -> list[Path]:
+    """Make ``<prefix>/<name>`` equal to ``<mounts>/ep-<name>/<name>`` for each, drop the
+    other venvs and skeletons, then deduplicate; ``in_place``: the one venv is already there."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    names = backends.expand_backends(names)
+    if in_place:
+        if len(names) != 1:
+            raise StageError(
+                f"--in-place takes one backend (its stage is the image's start), got {names}"
+            )
+        if not (prefix / names[0] / INFO_FILE).is_file():
+            raise StageError(
+                f"{prefix / names[0]} holds no venv (no {INFO_FILE}): --in-place needs the "
+                f"stage to start FROM ep-{names[0]}"
+            )
+    else:
+        for name in names:
+            source = mounts / f"ep-{name}" / name
+            if not (source / INFO_FILE).is_file():
+                raise StageError(
+                    f"{source} holds no venv (no {INFO_FILE}): stage ep-{name} did not build "
+                    "one, or the builder did not mount it"
+                )
+            started = time.monotonic()
+            target = prefix / name
+            held = "its skeleton" if (target / SKELETON_FILE).is_file() else "no skeleton"
+            try:
+                report = tree_sync.sync_tree(source, target)
+            except (tree_sync.SyncError, OSError) as exc:
+                raise StageError(f"{name}: taking the venv from ep-{name} failed: {exc}") from None
+            print(
+                f"image_stage: {name} from ep-{name} onto {held} in "
+                f"{time.monotonic() - started:.1f}s: {report.summary()}",
+                flush=True,
+            )
+    for other in sorted(prefix.iterdir()):
+        unselected = other.name not in names and other.is_dir() and not other.is_symlink()
+        if unselected and any((other / f).is_file() for f in (INFO_FILE, SKELETON_FILE)):
+            shutil.rmtree(other)
+            print(f"image_stage: removed {other} (EP does not select it)", flush=True)
+    venvs = [prefix / name for name in names]
+    cmd = [sys.executable, "-m", "ep_image.build.dedup", "--json", str(prefix / "dedup.json")]
+    subprocess.run([*cmd, *map(str, venvs)], env=child_env(), check=True)
+    te_record = SOURCE_ROOT / "te" / "te-build.json"  # the te stage's, via assemble-files
+    if te_record.is_file():
+        shutil.copy(te_record, prefix / "te-build.json")
+    return venvs
+
+
+def installed(prefix: Path) -> list[str]:
+    """Backends with a finished venv under ``prefix``, in registry order."""
+    return [n for n in backends.BACKEND_NAMES if (prefix / n / INFO_FILE).is_file()]
+
+
+def activate(prefix: Path, active: str) -> None:
+    """``use-ep --activate`` (the switch host mode uses too), with use-ep on PATH."""
+    link = Path("/usr/local/bin/use-ep")
+    if not link.exists():
+        link.symlink_to(USE_EP)
+    env = {**os.environ, "EP_PREFIX": str(prefix)}
+    subprocess.run(
+        [str(USE_EP), "--activate", active], env=env, check=True, stdout=subprocess.DEVNULL
+    )
+
+
+def image_record(prefix: Path, ep: str, names: list[str], active: str) -> dict[str, object]:
+    """/opt/venvs/image.json: what the image holds and how to switch."""
+    venvs = {n: json.loads((prefix / n / INFO_FILE).read_text()) for n in names}
+    return {
+        "ep": ep,
+        "backends": names,
+        "active": active,
+        "default_backend": backends.DEFAULT_BACKEND,
+        "switch": 'eval "$(use-ep --activate BACKEND)", or run with -e EP_BACKEND=BACKEND',
+        "skipped_packages": {n: v.get("skipped_packages", []) for n, v in venvs.items()},
+        "lock_sha256": sorted({v.get("lock_sha256") for v in venvs.values()}),
+    }
+
+
+def manifest(prefix: Path) -> None:
+    """check_env in the active venv; a failure is a warning, not a failed build."""
+    python = prefix / "active" / "bin" / "python"
+    cmd = [
+        str(python),
+        "-m",
+        "ep_image.probes.check_env",
+        "--json",
+        str(prefix / "env-manifest.json"),
+    ]
+    started = time.monotonic()
+    code = subprocess.run(cmd, env=child_env(), check=False, stdout=subprocess.DEVNULL).returncode
+    print(f"image_stage: check_env.py exit {code} in {time.monotonic() - started:.0f}s")
+    if code != 0:
+        print("image_stage: warning: check_env.py failed; env-manifest.json may be partial")
+
+
+def finish(prefix: Path, requested: str) -> dict[str, object]:
+    """Activate, stage cuDNN, write image.json; returns its content."""
+    names = installed(prefix)
+    if not names:
+        raise StageError(f"no backend venv under {prefix}")
+    try:
+        active = backends.resolve_active(names, requested)
+    except backends.UnknownBackendError as exc:
+        raise StageError(f"EP_ACTIVE={requested}: {exc}") from None
+    activate(prefix, active)
+    runtime = stage_cudnn.stage(prefix)
+    stage_cudnn.record(prefix, runtime)
+    record = image_record(prefix, backends.ep_value(names), names, active)
+    write_json(prefix / "image.json", record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="image_stage.py",
+        description="The Dockerfile's image-<EP> and final steps (see the module docstring).",
+    )
+    parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
+    sub = parser.add_subparsers(dest="step", required=True)
+    one = sub.add_parser(
+        "assemble", help="copy and deduplicate the selected venvs, activate one, write records"
+    )
+    one.add_argument("backends", nargs="+", metavar="BACKEND")
+    one.add_argument("--mounts", type=Path, default=Path("/mnt"))
+    one.add_argument("--active", default="auto", help="the EP_ACTIVE build argument")
+    one.add_argument(
+        "--in-place",
+        action="store_true",
+        help="one backend whose venv is already under --prefix (the stage is FROM ep-BACKEND)",
+    )
+    sub.add_parser("manifest", help="write env-manifest.json with check-env")
+    args = parser.parse_args(argv)
+    try:
+        if args.step == "assemble":
+            assemble(args.backends, args.mounts, args.prefix, args.in_place)
+            print("image_stage: " + json.dumps(finish(args.prefix, args.active)))
+        else:
+            manifest(args.prefix)
+    except (StageError, backends.UnknownBackendError) as exc:
+        print(f"image_stage: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

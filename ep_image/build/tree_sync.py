@@ -1,0 +1,274 @@
+"""Make one directory tree equal to another, writing only the entries that differ.
+
+Why: an image with several backends starts from the layer that holds every backend's venv
+skeleton (ep_image/build/make_venv.py --skeleton) and takes each finished venv from its own stage.
+Copying a whole venv would write its ~2 GB again into the new layer; writing only what the
+backend's stage changed keeps that layer to the backend's own files (tens of MB).
+
+What "equal" means, and what it guarantees (tests/test_tree_sync.py): afterwards ``target`` has
+exactly ``source``'s paths, each of the same type; regular files with the same size, mode and
+owner, and with the same mtime or the same bytes; symlinks with the same target; directories
+with the same mode. Entries only in ``target`` are removed. A regular file counts as unchanged
+when size, mode and owner match and either the mtime matches (rsync's quick check, which reads
+no bytes: a file both trees got from one lower layer; a file rewritten in place with its size
+and mtime kept, as ``touch -r`` can do, is not noticed, as rsync without ``--checksum`` would
+not notice it) or the bytes do (compared in full; such a file keeps its own mtime, as touching
+it would copy it into the new layer for a timestamp); anything else is rewritten, with the
+source's mtime, through a temporary file and a rename, so no path is ever half-written and a
+file hardlinked elsewhere (another skeleton) keeps its old content there. Files that share an
+inode in ``source`` and are written here share one in ``target``.
+
+Before it writes anything, the whole source is checked: an entry that is not a file,
+directory or symlink (a FIFO, socket or device), a file it cannot read or a directory it
+cannot list refuses the sync with every such path named, and ``target`` is left as it was,
+instead of being found partway with the entries before it already written.
+
+util-linux has no such tool, and rsync is an optional package (Debian: Priority optional; the
+image tests' minbase base image lacks it) that a base image need not have, hence this module;
+its rules are rsync's ``-a --delete`` without ``--checksum``, plus a byte comparison where rsync
+would rewrite a file whose mtime differs (rewriting it would copy it into the layer).
+
+Command line: ``python3 -m ep_image.build.tree_sync SOURCE TARGET`` (``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import shutil
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: At most this many problems of the source are listed (then how many more).
+_LISTED = 20
+
+
+class SyncError(RuntimeError):
+    """The trees cannot be made equal; the message says why, its last line the fix."""
+
+
+@dataclass
+class SyncReport:
+    """What one sync changed in the target."""
+
+    files_written: int = 0
+    bytes_written: int = 0
+    links_made: int = 0
+    symlinks_written: int = 0
+    dirs_made: int = 0
+    removed: list[str] = field(default_factory=list)
+    unchanged: int = 0
+
+    def summary(self) -> str:
+        return (
+            f"{self.files_written} files ({self.bytes_written / 1e6:.1f} MB) written, "
+            f"{self.links_made} hardlinks, {self.symlinks_written} symlinks, {self.dirs_made} "
+            f"dirs made, {len(self.removed)} removed, {self.unchanged} unchanged"
+        )
+
+
+def _same_file(src: os.stat_result, dst: os.stat_result, src_path: str, dst_path: str) -> bool:
+    if not stat.S_ISREG(dst.st_mode) or src.st_size != dst.st_size:
+        return False
+    if (src.st_mode, src.st_uid, src.st_gid) != (dst.st_mode, dst.st_uid, dst.st_gid):
+        return False
+    if src.st_mtime_ns == dst.st_mtime_ns:
+        return True
+    return filecmp.cmp(src_path, dst_path, shallow=False)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _write_file(src_path: str, dst_path: str, src: os.stat_result) -> None:
+    """Copy through ``<dst>.tree-sync-tmp`` and rename: ``dst_path`` is never half-written."""
+    temp = f"{dst_path}.tree-sync-tmp"
+    if os.path.lexists(temp):
+        _remove(temp)
+    shutil.copyfile(src_path, temp, follow_symlinks=False)
+    os.chown(temp, src.st_uid, src.st_gid)
+    os.chmod(temp, stat.S_IMODE(src.st_mode))
+    os.utime(temp, ns=(src.st_atime_ns, src.st_mtime_ns))
+    if os.path.isdir(dst_path) and not os.path.islink(dst_path):
+        shutil.rmtree(dst_path)
+    os.replace(temp, dst_path)
+
+
+def check_source(source: Path) -> None:
+    """Everything the sync will read can be read and copied; SyncError naming each problem.
+
+    Runs before anything is written, so a bad source leaves the target as it was.
+    """
+    problems: list[str] = []
+
+    def unlistable(exc: OSError) -> None:
+        problems.append(f"{exc.filename}: cannot list this directory ({exc.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(source, onerror=unlistable):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError as exc:
+                problems.append(f"{path}: cannot look at it ({exc.strerror})")
+                continue
+            if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket or device"
+                problems.append(f"{path}: {kind}, not a file, directory or symlink")
+                continue
+            try:  # O_NONBLOCK: should it have turned into a FIFO meanwhile, never hang on it
+                os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+            except OSError as exc:
+                problems.append(f"{path}: cannot read this file ({exc.strerror})")
+    if problems:
+        listed = problems[:_LISTED]
+        if len(problems) > _LISTED:
+            listed.append(f"... and {len(problems) - _LISTED} more")
+        raise SyncError(
+            f"{source} cannot be copied as it is; nothing was written:\n  "
+            + "\n  ".join(listed)
+            + "\nfix: remove those entries from the source (a venv holds only files, "
+            "directories and symlinks) or make them readable by this user, then run it again"
+        )
+
+
+def sync_tree(source: Path, target: Path) -> SyncReport:
+    """Make ``target`` equal to ``source`` (see the module docstring); returns what changed."""
+    if not source.is_dir() or source.is_symlink():
+        raise SyncError(f"{source} is not a directory\nfix: give an existing directory as SOURCE")
+    check_source(source)
+    report = SyncReport()
+    written: dict[tuple[int, int], str] = {}  # a source inode -> the target path written for it
+    if not target.is_dir() or target.is_symlink():
+        if os.path.lexists(target):
+            _remove(str(target))
+        target.mkdir(parents=True)
+        report.dirs_made += 1
+    for dirpath, dirnames, filenames in os.walk(source):
+        rel = os.path.relpath(dirpath, source)
+        here = os.path.normpath(os.path.join(target, rel))
+        wanted = set(dirnames) | set(filenames)
+        for name in sorted(set(os.listdir(here)) - wanted):
+            _remove(os.path.join(here, name))
+            report.removed.append(os.path.normpath(os.path.join(rel, name)))
+        src_dir = os.lstat(dirpath)
+        if stat.S_IMODE(os.lstat(here).st_mode) != stat.S_IMODE(src_dir.st_mode):
+            os.chmod(here, stat.S_IMODE(src_dir.st_mode))
+        for name in list(dirnames):
+            src_path, dst_path = os.path.join(dirpath, name), os.path.join(here, name)
+            src = os.lstat(src_path)
+            if stat.S_ISLNK(src.st_mode):  # os.walk lists a symlink to a directory here
+                dirnames.remove(name)
+                _sync_symlink(src_path, dst_path, report)
+                continue
+            if not (os.path.isdir(dst_path) and not os.path.islink(dst_path)):
+                if os.path.lexists(dst_path):
+                    _remove(dst_path)
+                os.mkdir(dst_path, stat.S_IMODE(src.st_mode))
+                report.dirs_made += 1
+        for name in filenames:
+            src_path, dst_path = os.path.join(dirpath, name), os.path.join(here, name)
+            src = os.lstat(src_path)
+            if stat.S_ISLNK(src.st_mode):
+                _sync_symlink(src_path, dst_path, report)
+            elif stat.S_ISREG(src.st_mode):
+                _sync_file(src_path, dst_path, src, written, report)
+            else:
+                raise SyncError(f"{src_path}: not a file, directory or symlink")
+    return report
+
+
+def _sync_symlink(src_path: str, dst_path: str, report: SyncReport) -> None:
+    link = os.readlink(src_path)
+    if os.path.islink(dst_path) and os.readlink(dst_path) == link:
+        report.unchanged += 1
+        return
+    if os.path.lexists(dst_path):
+        _remove(dst_path)
+    os.symlink(link, dst_path)
+    report.symlinks_written += 1
+
+
+def _sync_file(
+    src_path: str,
+    dst_path: str,
+    src: os.stat_result,
+    written: dict[tuple[int, int], str],
+    report: SyncReport,
+) -> None:
+    key = (src.st_dev, src.st_ino)
+    try:
+        dst = os.lstat(dst_path)
+    except FileNotFoundError:
+        dst = None
+    if key in written:  # the source's hardlink to a file written above: the same here
+        first = written[key]
+        if dst is not None and os.path.samefile(first, dst_path):
+            report.unchanged += 1
+            return
+        if dst is not None:
+            _remove(dst_path)
+        os.link(first, dst_path)
+        report.links_made += 1
+        return
+    if dst is not None and _same_file(src, dst, src_path, dst_path):
+        report.unchanged += 1
+        return
+    _write_file(src_path, dst_path, src)
+    if src.st_nlink > 1:
+        written[key] = dst_path
+    report.files_written += 1
+    report.bytes_written += src.st_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tree_sync.py",
+        description=(
+            "Make TARGET equal to SOURCE, writing only the entries that differ: the same "
+            "paths and types, files of the same size, mode and owner with the same mtime "
+            "(rsync's quick check) or the same bytes, symlinks with the same target, "
+            "directories with the same mode; entries only in TARGET are removed. Changed "
+            "files are written to a temporary name and renamed into place, so a file "
+            "hardlinked elsewhere keeps its content there. The source is checked first: a "
+            "FIFO, socket, device, unreadable file or unlistable directory in it refuses the "
+            "sync before anything is written. rsync -a --delete, without needing rsync; the "
+            "image's multi-backend stage uses it (python3 -m ep_image.build.image_stage)."
+        ),
+        epilog=(
+            "Exit codes: 0 equal now; 1 refused or failed (the message names the path and the "
+            "fix); 2 bad usage. Example: python3 -m ep_image.build.tree_sync /mnt/ep-deepep_v2/"
+            "deepep_v2 /opt/venvs/deepep_v2"
+        ),
+    )
+    parser.add_argument("source", type=Path, metavar="SOURCE", help="the tree to copy")
+    parser.add_argument("target", type=Path, metavar="TARGET", help="made equal to SOURCE")
+    args = parser.parse_args(argv)
+    try:
+        report = sync_tree(args.source, args.target)
+    except SyncError as exc:
+        print(f"tree_sync: refused: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"tree_sync: failed: {exc}", file=sys.stderr)
+        print(
+            "tree_sync: fix: make TARGET writable by this user, then run it again (files are "
+            "replaced whole, but the target may be partly updated)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"tree_sync: {args.source} -> {args.target}: {report.summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""check_ep's verdict on paper: the table, the JSON report, and the report of a run that died.
+
+Why this module exists: rank 0 speaks for the job. When every rank finishes, rank 0's
+backend process prints the table and writes the JSON. When one does not (a crash, an exit
+without a verdict, a hang, a launcher tearing the job down), rank 0's supervisor writes the
+same table and JSON from the breadcrumbs and the job's board, naming the rank and the step
+where it happened, so no failure ends without a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ep_image.probes import _facts, _supervise, _venv_record
+from ep_image.probes._ep_dist import SHARED_GPU_LABEL, RankEnv
+from ep_image.probes._ep_steps import STEP_NAMES, not_run
+from ep_image.probes._report import (
+    EXIT_UNUSABLE,
+    Status,
+    Step,
+    build_report,
+    render_table,
+    write_json_atomic,
+)
+from ep_image.probes._supervise import Outcome
+
+if TYPE_CHECKING:
+    from ep_image.probes.check_ep import Selection
+
+PROG = "check_ep"
+
+
+def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str]:
+    lines = [f"backend {sel.name} ({sel.how})"]
+    where = f"world {env.world}"
+    if env.nodes > 1:
+        where += f" = {env.nodes} nodes x {env.local_world} ranks"
+    if meta.get("device"):
+        where += f", device {meta['device']}, dtype {meta.get('dtype')}"
+    if meta.get("shared_gpu"):
+        where += f" ({meta.get('ranks_per_gpu')} ranks/GPU: {SHARED_GPU_LABEL})"
+    lines.append(where)
+    if meta.get("shape"):
+        s = meta["shape"]
+        lines.append(
+            f"tokens/rank {s['tokens']}, hidden {s['hidden']}, experts {s['experts']} "
+            f"({s['experts'] // env.world}/rank), top-{s['topk']}, seed {meta.get('seed')}"
+        )
+    scen = meta.get("scenarios")
+    if scen is not None:
+        chosen = ", ".join(scen["selected"]) or "none (--scenarios none)"
+        lines.append(f"scenarios {chosen} ({scen['tokens_per_rank']} tokens/rank)")
+    return lines
+
+
+def finish(
+    args: argparse.Namespace,
+    env: RankEnv,
+    sel: Selection,
+    steps: list[Step],
+    meta: dict[str, Any],
+    code: int,
+    **extra: Any,
+) -> int:
+    """Print the table and write the JSON report on rank 0; return ``code``."""
+    if env.rank != 0 or _supervise.progress.stopping:
+        return code
+    versions = {
+        "python": sys.version.split()[0],
+        "torch": (_facts.dist_version("torch") or (None, None))[1],
+    }
+    if sel.installed is not None:
+        versions["backend"] = sel.installed.to_json()
+    # Which venv rank 0 ran in and what it took from outside it (every rank runs the same
+    # interpreter and imports; rank 0 is the one that writes the report).
+    extra.setdefault("environment", _venv_record.environment_facts())
+    report = build_report(
+        "check_ep",
+        steps,
+        code,
+        backend=sel.name,
+        backend_selection=sel.how,
+        world_size=env.world,
+        nodes=env.nodes,
+        require=bool(args.require),
+        versions=versions,
+        numbers=numbers(steps),
+        **meta,
+        **extra,
+    )
+    print(render_table("check_ep", header_lines(sel, env, meta), steps, code), flush=True)
+    if args.json:
+        write_json_atomic(args.json, report)
+    return code
+
+
+def numbers(steps: list[Step]) -> dict[str, Any]:
+    """The headline numbers of the run, lifted out of the steps for easy reading."""
+    by_name = {s.name: s.data for s in steps}
+    out: dict[str, Any] = {}
+    dc = by_name.get("dispatch_combine", {})
+    for key in (
+        "received_per_rank",
+        "expected_per_rank",
+        "received_per_expert",
+        "max_rel_diff",
+        "tolerance",
+    ):
+        if key in dc:
+            out[key] = dc[key]
+    if "received_per_rank" not in out and "received" in dc:
+        out["received_per_rank"] = [dc["received"]]
+        out["expected_per_rank"] = [dc["expected"]]
+        out["received_per_expert"] = dc["per_expert"]
+        out["max_rel_diff"] = dc["rel_diff"]
+        out["tolerance"] = dc["tolerance"]
+    bw = by_name.get("backward", {})
+    if "max_grad_rel_diff" in bw or "grad_rel_diff" in bw:
+        out["max_grad_rel_diff"] = bw.get("max_grad_rel_diff", bw.get("grad_rel_diff"))
+    rp = by_name.get("replay", {})
+    if "rows_per_call_per_rank" in rp or "rows_per_call" in rp:
+        out["replay_rows_per_call"] = rp.get("rows_per_call_per_rank", [rp.get("rows_per_call")])
+    scen = by_name.get("scenarios", {})
+    if scen.get("scenarios"):
+        out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
+    band = by_name.get("bandwidth", {})
+    keys = ("dispatch_gbs", "combine_gbs", "copy_gbs", "dispatch_vs_copy", "combine_vs_copy")
+    split = ("dispatch_nvl_gbs", "dispatch_rdma_gbs", "combine_nvl_gbs", "combine_rdma_gbs")
+    for key in (*keys, *split):
+        if key in band:
+            value = band[key]
+            out[key] = value["mean"] if isinstance(value, dict) else value
+    if band.get("shared_gpu"):
+        out["bandwidth_note"] = SHARED_GPU_LABEL
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# A run that did not finish
+# ------------------------------------------------------------------------------------------
+
+_HINTS = {
+    "signal": "the backend crashed in native code (Python stack above): run its own tests on "
+    "this machine, check that it was built for this torch, CUDA and NCCL, and report it "
+    "with this JSON",
+    "exit": "the backend ended its process (os._exit or sys.exit) instead of raising: no "
+    "verdict came from that rank; report it with this JSON",
+    "hang": "the step never returned (stacks above: the supervisor dumped them before "
+    "stopping it): a kernel waiting for a peer that never arrived, or a CPU wait on the GPU; "
+    "run the backend's own tests here and check --timeout",
+    "error": "the probe lost a collective (a peer that died or hung is the usual cause): "
+    "read every rank's log; if no rank failed, report it with this JSON",
+    "stopped": "the launcher stopped the job before any rank posted a failure (SIGTERM); "
+    "look at the launcher's log for the first rank that exited",
+}
+
+
+def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -> str:
+    who = f"rank {rank}" if world > 1 or outcome["how"] == "signal" else "the backend process"
+    step = outcome.get("step") or "import"
+    if outcome.get("scenario"):
+        step += f" (scenario {outcome['scenario']})"
+    where = f" at {outcome['where']}" if outcome.get("where") else ""
+    if outcome["how"] == "signal":
+        return f"{who} died with {outcome['signal']} during {step}{where}"
+    if outcome["how"] == "exit":
+        return (
+            f"{who} exited with status {outcome.get('exit_status')} during {step} without a "
+            f"verdict{where}"
+        )
+    if outcome["how"] == "hang":
+        return f"{step} did not finish within {deadline:g} s on {who}{where}"
+    if outcome["how"] == "error":
+        return f"{who} failed during {step}: {outcome.get('error')}"
+    return f"{who} was stopped during {step}"
+
+
+def primary_failure(
+    outcomes: dict[int, dict[str, Any]],
+) -> tuple[int, dict[str, Any]] | None:
+    """The failure to report: the earliest crash or exit, else a hang, an error, a stop."""
+    for kinds in (("signal", "exit"), ("hang",), ("error",), ("stopped",)):
+        found = [(o.get("time", 0.0), r, o) for r, o in outcomes.items() if o["how"] in kinds]
+        if found:
+            _, rank, outcome = min(found, key=lambda item: (item[0], item[1]))
+            return rank, outcome
+    return None
+
+
+def report_unfinished(
+    args: argparse.Namespace,
+    env: RankEnv,
+    sel: Selection,
+    own: Outcome,
+    outcomes: dict[int, dict[str, Any]],
+) -> int:
+    """Rank 0's supervisor: the table and JSON for a run that did not finish (exit 3)."""
+    found = primary_failure(outcomes)
+    rank, failure = found if found is not None else (env.rank, own.to_json())
+    detail = _describe(rank, env.world, failure, args.timeout)
+    hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
+    if failure["how"] == "hang" and len(hung) > 1:
+        detail += f" (ranks {hung} all hung there)"
+    current = failure.get("step") or STEP_NAMES[0]
+    done = [Step.from_json(obj) for obj in own.progress.get("steps", [])]
+    index = STEP_NAMES.index(current) if current in STEP_NAMES else len(done)
+    step = Step(
+        current,
+        Status.ERROR,
+        seconds=float(failure.get("seconds_in_step", 0.0)),
+        detail=detail,
+        hint=_HINTS[failure["how"]],
+        data={"failure": {"rank": rank, **failure}},
+    )
+    if current == "scenarios" and rank == env.rank:
+        finished = own.progress.get("scenario_results") or []
+        name = str(failure.get("scenario") or "").split(":", 1)[0]
+        crashed = {"name": name, "status": "error", "detail": detail}
+        step.data["scenarios"] = [*finished, crashed]
+    static = next((d.data.get("static_libstdcxx") for d in done if d.name == "prerequisites"), None)
+    if failure["how"] == "signal" and static:
+        step.hint = (
+            f"{', '.join(static)} carries its own libstdc++ (built with -static-libstdc++, e.g. "
+            "by a compiler wrapper) beside the one torch loaded: two C++ runtimes in one process "
+            "crash in iostream code (HybridEP did, in its buffer constructor). Rebuild it with "
+            "the system compiler: CC=/usr/bin/gcc CXX=/usr/bin/g++"
+        )
+    steps = [*done[:index], step, *(not_run(n, step) for n in STEP_NAMES[index + 1 :])]
+    if own.fault_log:
+        print(own.fault_log.rstrip(), file=sys.stderr)
+    sel.name = own.progress.get("backend", sel.name)
+    meta = own.progress.get("meta", {})
+    ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
+    return finish(args, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)

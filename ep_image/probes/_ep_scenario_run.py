@@ -1,0 +1,335 @@
+"""Run check_ep's scenarios (``_ep_scenarios``) on this rank and check every output.
+
+Why this module exists: a scenario is only worth its name if every rank checks every
+operation it drives against the reference, and if no check can desynchronise the ranks. So
+the runner calls the backend in the same order on every rank whatever a check finds
+(problems are recorded, never raised), leaves a breadcrumb before each call (a crash or hang
+is reported with the scenario, layout and operation), and stops at the first call that
+raises, since the backend's state is then unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ep_image.probes import _supervise
+from ep_image.probes._ep_reference import (
+    Expected,
+    GlobalRouting,
+    Inputs,
+    Router,
+    call_factor,
+    check_dispatch,
+    compare_rows,
+    compare_tokens,
+    decode_ids,
+    describe_tokens,
+    dispatch_contract,
+    expected_combine,
+    expected_for_rank,
+    expert_output,
+    expert_scales,
+    gather_global,
+    gather_uneven,
+    id_mask,
+    make_inputs,
+    mix_seed,
+    name_row,
+    output_grad,
+    row_factor,
+    scale_payload,
+    tensor_contract,
+    token_scale,
+)
+from ep_image.probes._ep_scenarios import (
+    BY_NAME,
+    ERROR,
+    FAIL,
+    NOT_APPLICABLE,
+    NOT_RUN,
+    PASS,
+    Scenario,
+    not_applicable,
+    router_of,
+    scenario_seed,
+    scenario_tokens,
+    tokens_of,
+)
+
+if TYPE_CHECKING:
+    from ep_image.probes._ep_dist import Runtime
+    from ep_image.probes.ep_adapters import EPBackend, Shape
+
+
+class BackendRaised(Exception):
+    """The backend raised inside a scenario: its state (and the group's) is unknown now."""
+
+    def __init__(self, where: str, exc: BaseException) -> None:
+        super().__init__(f"{where} raised {type(exc).__name__}: {' '.join(str(exc).split())}")
+
+
+@dataclasses.dataclass
+class Layout:
+    """One routing of a scenario, its reference and what the backend returned for it."""
+
+    index: int
+    seed: int
+    inputs: Inputs
+    g: GlobalRouting
+    exp: Expected
+    d: Any = None
+    ids: Any = None  # [rows] global ids the received rows name
+    factor: Any = None  # [rows] the stand-in experts' factor of each received row
+    out: Any = None  # what combine returned
+    kept: tuple[Any, Any] = (None, None)  # copies of recv_x and of out, taken at once
+
+
+@dataclasses.dataclass
+class Run:
+    """The state of one scenario on this rank."""
+
+    rt: Runtime
+    backend: EPBackend
+    shape: Shape
+    scenario: Scenario
+    seed: int
+    tolerance: float
+    scales: torch.Tensor
+    local: int
+    problems: list[str] = dataclasses.field(default_factory=list)
+    checks: int = 0
+
+    def call(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call the backend (breadcrumb first: a crash or hang is reported with ``where``)."""
+        _supervise.progress.update(scenario=f"{self.scenario.name}: {where}")
+        try:
+            out = fn(*args)
+        except Exception as exc:
+            raise BackendRaised(where, exc) from exc
+        if self.rt.use_gpu:
+            torch.cuda.synchronize(self.rt.device)
+        return out
+
+    def check(self, where: str, fn: Callable[..., list[str]], *args: Any) -> None:
+        """Run one comparison; its problems are recorded, never raised (ranks stay in step)."""
+        self.checks += 1
+        try:
+            found = fn(*args)
+        except Exception as exc:  # a malformed output the comparison could not read
+            found = [f"could not be checked ({type(exc).__name__}: {exc})"]
+        self.problems.extend(f"{where}: {p}" for p in found)
+
+
+def _forward(run: Run, index: int, tokens: int, router: Router | None) -> Layout:
+    """Dispatch and combine one new layout, each checked."""
+    rt, shape, backend = run.rt, run.shape, run.backend
+    rank = rt.env.rank
+    seed = mix_seed(run.seed, index)
+    inputs = make_inputs(shape, rank, seed, tokens=tokens, route=router)
+    g = gather_global(inputs, rt.ep_group)
+    exp = expected_for_rank(g, rank, run.local, run.scales)
+    lay = Layout(index, seed, inputs, g, exp)
+    tag = f"layout {index}"
+    lay.d = run.call(
+        f"{tag} dispatch", backend.dispatch, inputs.x, inputs.topk_idx, inputs.topk_weights
+    )
+    run.check(f"{tag} dispatch", _dispatch_problems, run, lay)
+    rows = _rows(lay.d)
+    try:
+        lay.ids = decode_ids(lay.d.recv_x, g)
+        lay.factor = row_factor(exp, lay.ids)
+        y = expert_output(lay.d.recv_x, lay.factor)
+    except Exception:  # malformed rows (already reported): keep the ranks in step
+        lay.ids = torch.full((rows,), -1, dtype=torch.int64, device=shape.device)
+        lay.factor = torch.zeros(rows, device=shape.device)
+        y = torch.zeros((rows, shape.hidden), dtype=shape.dtype, device=shape.device)
+    out = run.call(f"{tag} combine", backend.combine, y, lay.d.handle)
+    want = expected_combine(inputs, run.scales)
+    run.check(f"{tag} combine", _tokens_problems, run, out, want, y.dtype, "combine")
+    lay.out = out
+    lay.kept = (_copy(lay.d.recv_x), _copy(out))
+    return lay
+
+
+def _backward(run: Run, lay: Layout) -> None:
+    """New activations through the layout (``rounds``), then its two backward operations."""
+    rt, shape, g, backend = run.rt, run.shape, lay.g, run.backend
+    tag = f"layout {lay.index}"
+    rows = _rows(lay.d)
+    safe = lay.ids.clamp(min=0)
+    for r in range(1, run.scenario.rounds + 1):
+        f = call_factor(r)
+        x_r = scale_payload(lay.inputs.x, f)
+        where = f"{tag} dispatch_cached (round {r})"
+        got = run.call(where, backend.dispatch_cached, x_r, lay.d.handle)
+        want_rows = scale_payload(g.x[safe], f) if g.total else g.x[:0]
+        run.check(where, _cached_problems, g, lay.ids, got, want_rows, x_r, rows, "dispatch_cached")
+        y_r = expert_output(want_rows, lay.factor)
+        where = f"{tag} combine (round {r})"
+        out = run.call(where, backend.combine, y_r, lay.d.handle)
+        want = expected_combine(lay.inputs, run.scales) * f
+        run.check(where, _tokens_problems, run, out, want, y_r.dtype, "combine")
+    n = lay.inputs.x.shape[0]
+    grad = output_grad(shape, n, lay.seed, rt.env.rank)
+    grad_global = gather_uneven(grad, g.counts, rt.ep_group)
+    where = f"{tag} combine_backward"
+    cb = run.call(where, backend.combine_backward, grad, lay.d.handle)
+    want_rows = grad_global[safe] if g.total else grad_global[:0]
+    run.check(where, _cached_problems, g, lay.ids, cb, want_rows, grad, rows, "combine_backward")
+    h = expert_output(want_rows, lay.factor)
+    where = f"{tag} dispatch_backward"
+    db = run.call(where, backend.dispatch_backward, h, lay.d.handle)
+    scale = token_scale(lay.inputs, run.scales)
+    want = grad.float() * scale[:, None] * id_mask(shape.hidden, grad.device)
+    run.check(where, _tokens_problems, run, db, want, h.dtype, "dispatch_backward")
+    run.check(f"{tag} outputs", _kept_problems, lay)
+
+
+def _copy(t: Any) -> Any:
+    return t.clone() if isinstance(t, torch.Tensor) else None
+
+
+def _kept_problems(lay: Layout) -> list[str]:
+    """The layout's dispatch and combine outputs, after every later call of the scenario, still
+    hold what they held when returned (an MoE layer keeps its expert input and output for the
+    backward pass; memory a later call reuses would corrupt the weight gradients)."""
+    found = []
+    for op, now, then in (
+        ("dispatch", lay.d.recv_x, lay.kept[0]),
+        ("combine", lay.out, lay.kept[1]),
+    ):
+        if then is not None and isinstance(now, torch.Tensor) and not torch.equal(now, then):
+            found.append(
+                f"what {op} returned changed after later calls (memory the backend reuses): a "
+                "layer's saved activations would be overwritten before its backward pass"
+            )
+    return found
+
+
+def _dispatch_problems(run: Run, lay: Layout) -> list[str]:
+    found = dispatch_contract(lay.d, lay.inputs.x, run.shape.topk, run.local)
+    return found or check_dispatch(lay.d, lay.g, lay.exp, run.local).problems
+
+
+def _cached_problems(
+    g: GlobalRouting,
+    ids: torch.Tensor,
+    got: Any,
+    want: torch.Tensor,
+    source: torch.Tensor,
+    rows: int,
+    op: str,
+) -> list[str]:
+    """A cached dispatch (of new activations or of the output gradient): in the dispatch's
+    row order, each row bit-identical to what its token's rank passed."""
+    found = tensor_contract(op, got, rows, source.shape[1], source.dtype, source.device)
+    if found:
+        return found
+    what = (
+        "the output gradient of its token"
+        if op == "combine_backward"
+        else ("the new activations of its token")
+    )
+    return _rows_problems(g, ids, got, want, what)
+
+
+def _rows(d: Any) -> int:
+    x = getattr(d, "recv_x", None)
+    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+
+
+def _tokens_problems(run: Run, out: Any, want: torch.Tensor, dtype: Any, op: str) -> list[str]:
+    found = tensor_contract(op, out, want.shape[0], want.shape[1], dtype, want.device)
+    c = compare_tokens(out, want, run.tolerance)
+    if not c.ok:
+        found.append(describe_tokens(c, "the reference", run.tolerance))
+    return found
+
+
+def _rows_problems(
+    g: GlobalRouting, ids: torch.Tensor, out: Any, want: torch.Tensor, what: str
+) -> list[str]:
+    bad, first = compare_rows(out, want)
+    if not bad:
+        return []
+    token = int(ids[first]) if 0 <= first < ids.numel() else -1
+    name = name_row(g, token) if token >= 0 else "a row naming no token"
+    return [
+        f"{bad} of {want.shape[0]} rows are not bit-identical to {what} (first: row {first}, "
+        f"{name})"
+    ]
+
+
+def run_one(
+    rt: Runtime,
+    backend: EPBackend,
+    shape: Shape,
+    scenario: Scenario,
+    seed: int,
+    tolerance: float,
+) -> dict[str, Any]:
+    """Run ``scenario`` on this rank; its result as JSON (status, detail, counts)."""
+    local = shape.local_experts(rt.env.world)
+    scales = expert_scales(shape.experts, shape.device)
+    run = Run(rt, backend, shape, scenario, seed, tolerance, scales, local)
+    base = scenario_tokens(shape.tokens)
+    tokens = tokens_of(scenario, base, rt.env.rank, rt.env.world)
+    router = router_of(scenario, shape, rt.env.world)
+    start = time.perf_counter()
+    layouts = [_forward(run, i, tokens, router) for i in range(scenario.layouts)]
+    for lay in reversed(layouts):
+        _backward(run, lay)
+    result: dict[str, Any] = {
+        "name": scenario.name,
+        "seed": seed,
+        "input": scenario.exercises,
+        "status": FAIL if run.problems else PASS,
+        "detail": "",
+        "tokens": [lay.inputs.x.shape[0] for lay in layouts],
+        "received": [_rows(lay.d) for lay in layouts],
+        "checks": run.checks,
+        "seconds": round(time.perf_counter() - start, 4),
+    }
+    if run.problems:
+        more = len(run.problems) - 1
+        result["detail"] = run.problems[0] + (f" (and {more} more problems)" if more else "")
+        result["problems"] = run.problems[:8]
+    return result
+
+
+def run_all(
+    rt: Runtime,
+    backend: EPBackend,
+    shape: Shape,
+    names: list[str],
+    base_seed: int,
+    tolerance: float,
+) -> list[dict[str, Any]]:
+    """Every selected scenario in order; a backend that raises ends the rest (``not run``)."""
+    results: list[dict[str, Any]] = []
+    stopped: str | None = None
+    for name in names:
+        scenario = BY_NAME[name]
+        seed = scenario_seed(base_seed, name)
+        entry: dict[str, Any] = {"name": name, "seed": seed, "input": scenario.exercises}
+        reason = not_applicable(backend, scenario)
+        if stopped is not None:
+            entry.update(status=NOT_RUN, detail=f"not run: {stopped} raised")
+        elif reason is not None:
+            entry.update(status=NOT_APPLICABLE, detail=reason)
+        else:
+            try:
+                entry = run_one(rt, backend, shape, scenario, seed, tolerance)
+            except BackendRaised as exc:
+                entry.update(status=ERROR, detail=str(exc))
+                stopped = name
+        results.append(entry)
+        # Kept beside the breadcrumb, so a crash in a later scenario still reports these.
+        _supervise.progress.update(scenario_results=results)
+    _supervise.progress.update(scenario=None, scenario_results=None)
+    return results

@@ -1,0 +1,226 @@
+"""check_ep's scenarios: the routing training produces, not only one uniform layout.
+
+Why this module exists: the layer-shape steps drive one routing - uniform random top-k, every
+rank holding the same tokens, no dropped slot, the same tokens on every call. A backend that
+is right only for that input passes them. Training presents more, step after step, and each
+scenario here is one class of it, small where the shape does not matter (the layer's hidden
+size, experts and top-k, at most 512 tokens per rank, so no backend compiles or allocates
+anything new for it):
+
+  changing  routing that changes on every call: 4 layouts dispatched and combined in turn,
+            then the backward of each in reverse order, as an MoE model's layers keep their
+            handles through the backward pass (nothing may be kept from the last layout)
+  skewed    imbalanced routing: one expert receives every token, a few others most of them,
+            several experts and (with 2+ ranks) the whole last rank none
+  dropped   top-k slots with index -1 (dropped or padded experts): a quarter of all slots, and
+            every eighth token routed to no expert at all
+  uneven    ranks holding different numbers of tokens, one of them 0 (the last micro-batch,
+            packed sequences)
+  reuse     new activations through an existing layout: two rounds of cached dispatch and
+            combine on one handle, each with different values
+
+Every scenario runs, for each layout, dispatch and combine and then, through the same
+handle, the two backward operations on their own: the gradient the experts get
+(``combine_backward``, a cached dispatch of the output gradient) and the gradient the tokens
+get (``dispatch_backward``, a combine of the experts' gradients). Each output is checked on
+every rank against ``_ep_reference`` (counts, token ids, payload bits, routing, exact sums)
+and against the output contract (the input's dtype, ``[rows, hidden]``, contiguous, same
+device); after the scenario's later calls, what dispatch and combine returned must still hold
+the same values (a layer keeps them for its backward pass). Inputs come from a seed per
+scenario (recorded in the report), the rank and the layout, so a failure reproduces with the
+same ``--seed``.
+
+This module is the table (importable without torch, so the command line can name the
+scenarios before torch loads); ``_ep_scenario_run`` runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ep_image.probes.ep_adapters import EPBackend, Shape
+
+    Router = Callable[[torch.Generator, int], torch.Tensor]
+
+#: Inputs training presents that a backend's API may not take (``EPBackend.input_limits``).
+UNEVEN_TOKENS = "uneven_tokens"
+DROPPED_SLOTS = "dropped_slots"
+INPUT_CLASSES = {
+    UNEVEN_TOKENS: "ranks holding different numbers of tokens, 0 included",
+    DROPPED_SLOTS: "top-k slots with expert index -1 (dropped or padded)",
+}
+
+#: Tokens per rank in a scenario: the layer's, up to this many (a multiple of 64, HybridEP's
+#: chunk size).
+SCENARIO_TOKENS = 512
+
+PASS, FAIL, ERROR = "pass", "fail", "error"
+NOT_APPLICABLE, NOT_RUN = "not applicable", "not run"
+#: How bad a scenario's status is, for merging ranks (higher wins).
+SEVERITY = {NOT_RUN: 0, NOT_APPLICABLE: 0, PASS: 0, FAIL: 2, ERROR: 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One class of input training presents."""
+
+    name: str
+    exercises: str
+    layouts: int = 1
+    rounds: int = 0  # extra rounds of new activations through each layout
+    needs: tuple[str, ...] = ()  # ep_adapters.INPUT_CLASSES it needs the backend to take
+    routing: str = "uniform"  # uniform | skewed | dropped
+    uneven: bool = False
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "changing",
+        "routing that changes on every call: 4 layouts forward, then each one's backward in "
+        "reverse order",
+        layouts=4,
+    ),
+    Scenario(
+        "skewed",
+        "imbalanced routing: one expert gets every token, a few most, several experts and the "
+        "last rank none",
+        routing="skewed",
+    ),
+    Scenario(
+        "dropped",
+        "top-k slots with index -1: a quarter of the slots, every eighth token routed nowhere",
+        routing="dropped",
+        needs=(DROPPED_SLOTS,),
+    ),
+    Scenario(
+        "uneven",
+        "ranks holding different numbers of tokens, one of them 0",
+        uneven=True,
+        needs=(UNEVEN_TOKENS,),
+    ),
+    Scenario(
+        "reuse",
+        "new activations through an existing layout: 2 rounds of cached dispatch and combine "
+        "on one handle",
+        rounds=2,
+    ),
+)
+BY_NAME = {s.name: s for s in SCENARIOS}
+NAMES = tuple(BY_NAME)
+
+
+def parse(spec: str) -> list[str]:
+    """``--scenarios``: ``all``, ``none`` or a comma list of names (ValueError names the rest)."""
+    text = spec.strip()
+    if text == "all":
+        return list(NAMES)
+    if text in ("none", ""):
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise ValueError(
+            f"unknown scenario {', '.join(repr(n) for n in unknown)}; choose from "
+            f"{', '.join(NAMES)}, or all or none"
+        )
+    return [n for n in NAMES if n in names]  # run in the documented order, once each
+
+
+def scenario_seed(base: int, name: str) -> int:
+    """The seed of one scenario: from --seed and its name, the same on every machine."""
+    return (base * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+
+
+def scenario_tokens(tokens: int) -> int:
+    """Tokens per rank in a scenario, from the layer's."""
+    return min(tokens, SCENARIO_TOKENS)
+
+
+def not_applicable(backend: EPBackend, scenario: Scenario) -> str | None:
+    """Why ``backend``'s documented API does not take this scenario's input (None: it does)."""
+    for need in scenario.needs:
+        reason = backend.input_limits.get(need)
+        if reason:
+            return f"not applicable to {backend.name}: {reason}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------
+
+
+def tokens_of(scenario: Scenario, base: int, rank: int, world: int) -> int:
+    """Tokens ``rank`` holds: ``base``, or for ``uneven`` a pattern with a 0 in it."""
+    if not scenario.uneven:
+        return base
+    if world == 1:
+        return 0
+    pattern = (max(base - 5, 1), 0, base, base // 2 + 1)
+    return pattern[rank % len(pattern)]
+
+
+def skewed_routing(experts: int, topk: int, world: int) -> Router:
+    """Expert ``hot[0]`` takes every token, the other hot experts 3 tokens in 4; the last rank
+    (with 2+ ranks, where enough experts remain) and every third other expert take none."""
+    local = experts // world
+    candidates = list(range(experts))
+    if world > 1 and experts - local >= topk:
+        candidates = [e for e in candidates if e // local != world - 1]
+    hot_count = max(1, min(topk // 4 or 1, len(candidates)))
+    step = max(1, len(candidates) // hot_count)
+    hot = candidates[::step][:hot_count]
+    rest = [e for e in candidates if e not in hot]
+    cold_extra = rest[2::3]
+    while len(candidates) - len(cold_extra) < topk and cold_extra:
+        cold_extra.pop()
+    usable = [e for e in candidates if e not in cold_extra]
+
+    def route(gen: torch.Generator, tokens: int) -> torch.Tensor:
+        import torch
+
+        scores = torch.rand((tokens, experts), generator=gen)
+        blocked = torch.ones(experts, dtype=torch.bool)
+        blocked[usable] = False
+        scores[:, blocked] = -1.0
+        scores[:, hot[0]] = 3.0
+        if len(hot) > 1:
+            most = torch.rand((tokens, 1), generator=gen) < 0.75
+            scores[:, hot[1:]] = torch.where(most, 2.0, scores[:, hot[1:]])
+        return scores.topk(topk, dim=1).indices.to(torch.int64)
+
+    return route
+
+
+def dropped_routing(experts: int, topk: int) -> Router:
+    """Uniform routing with a quarter of the slots -1 and every eighth token's slots all -1
+    (token 0 keeps exactly one expert)."""
+
+    def route(gen: torch.Generator, tokens: int) -> torch.Tensor:
+        import torch
+
+        from ep_image.probes._ep_reference import uniform_routing
+
+        idx = uniform_routing(gen, tokens, experts, topk)
+        drop = torch.rand(idx.shape, generator=gen) < 0.25
+        drop[7::8] = True
+        if tokens:
+            drop[0] = True
+            drop[0, 0] = False
+        return torch.where(drop, torch.full_like(idx, -1), idx)
+
+    return route
+
+
+def router_of(scenario: Scenario, shape: Shape, world: int) -> Router | None:
+    if scenario.routing == "skewed":
+        return skewed_routing(shape.experts, shape.topk, world)
+    if scenario.routing == "dropped":
+        return dropped_routing(shape.experts, shape.topk)
+    return None

@@ -1,0 +1,296 @@
+"""Run a probe's work in a forked child and watch it: crashes, early exits and hangs.
+
+Why this module exists: EP backends are CUDA extensions, and their failures are not always
+Python exceptions. On a GPU machine HybridEP's buffer constructor ended the probe with
+SIGSEGV, leaving no table and no JSON report. A backend can also call ``os._exit(0)`` in the
+middle of dispatch (a clean exit code, and no verdict at all), or spin forever in a kernel or
+a CPU wait while holding the GIL. A probe that dies or hangs with the thing it probes
+answers nothing. So the work runs in a forked child and the parent, which holds no CUDA
+state, watches it:
+
+- the child leaves breadcrumbs (a small JSON file: finished steps, the step in progress and
+  when it started) and, last of all, its verdict; an exit without a verdict is a failure,
+  whatever the exit status;
+- a step that runs past the deadline is a hang: the parent has the child dump every thread's
+  Python stack (faulthandler on SIGUSR1), then kills it;
+- another rank's failure, posted on the job's board, stops this rank's child too, so no rank
+  waits out a collective timeout on a dead peer;
+- SIGTERM (torchrun tearing the job down) stops the child and still yields an outcome.
+
+The child dies with its parent (Linux ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ep_image.probes._report import write_json_atomic
+
+#: Set in the child, so nested calls (and tests) can tell they already run supervised.
+CHILD_ENV = "EP_PROBE_SUPERVISED"
+
+#: How often the parent looks at the child, its breadcrumbs and the board.
+POLL_SECONDS = 0.1
+
+#: A file the parent creates beside the breadcrumbs before it stops the child.
+STOP_MARKER = "stopping"
+
+
+@dataclass
+class Outcome:
+    """How the supervised child ended.
+
+    ``how``: ``finished`` (it returned a verdict), ``signal`` (killed by one), ``exit`` (it
+    exited without a verdict), ``hang`` (a step outran the deadline), ``error`` (the probe's
+    own code raised, most often a collective that lost a peer), ``stopped`` (ended because
+    another rank failed or the launcher sent SIGTERM).
+    """
+
+    how: str
+    code: int
+    progress: dict[str, Any] = field(default_factory=dict)
+    fault_log: str = ""
+    signal_name: str = ""
+    exit_status: int | None = None
+    seconds_in_step: float = 0.0
+
+    @property
+    def step(self) -> str | None:
+        return self.progress.get("current")
+
+    @property
+    def where(self) -> str:
+        return innermost_frame(self.fault_log)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "how": self.how,
+            "code": self.code,
+            "step": self.step,
+            "scenario": self.progress.get("scenario"),
+            "steps": self.progress.get("steps", []),
+            "signal": self.signal_name,
+            "exit_status": self.exit_status,
+            "seconds_in_step": round(self.seconds_in_step, 3),
+            "where": self.where,
+            "error": self.progress.get("error", ""),
+        }
+
+
+def innermost_frame(fault_log: str) -> str:
+    """The innermost frame of the first thread faulthandler listed, outside Python's library.
+
+    faulthandler lists the most recent call first; a crash inside ``ctypes`` or another
+    standard module is attributed to the caller that reached it.
+    """
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frames: list[str] = []
+    for line in fault_log.splitlines():
+        text = line.strip()
+        if text.startswith("File "):
+            frames.append(text)
+        elif frames and not text:
+            break  # the first thread's block ended
+    for frame in frames:
+        if stdlib not in frame:
+            return frame
+    return frames[0] if frames else ""
+
+
+class Progress:
+    """The breadcrumb the child updates; a no-op outside supervision."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.state: dict[str, Any] = {}
+
+    @property
+    def stopping(self) -> bool:
+        """The parent is stopping this child: it must not print or write a verdict now."""
+        return self.path is not None and (self.path.parent / STOP_MARKER).exists()
+
+    def update(self, **fields: Any) -> None:
+        if "current" in fields:
+            fields.setdefault("started", time.time())
+        self.state.update(fields)
+        if self.path is not None:
+            # Read by the parent on this machine: atomic is enough, no fsync (it is written
+            # before every backend call of the scenarios).
+            write_json_atomic(self.path, self.state, fsync=False)
+
+
+#: The current process's breadcrumb (set in the supervised child).
+progress = Progress(None)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Watch:
+    """What the parent watches for besides the child itself."""
+
+    #: Seconds a single step may run before it counts as a hang (None: no limit).
+    step_deadline: float | None = None
+    #: Called every poll; returns True when another rank failed and this child must stop.
+    peer_failed: Callable[[], bool] = lambda: False
+    #: Seconds to let the child end by itself once a peer failed (its collectives may error).
+    peer_grace: float = 2.0
+
+
+def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outcome:
+    """Run ``work`` in a forked child and return how it ended.
+
+    Falls back to calling ``work`` directly where fork is unavailable or when already inside
+    a supervised child.
+    """
+    watch = watch or Watch()
+    if not hasattr(os, "fork") or os.environ.get(CHILD_ENV):
+        return Outcome("finished", work())
+    tmp = Path(tempfile.mkdtemp(prefix="ep-probe-"))
+    crumb, fault_path = tmp / "progress.json", tmp / "fault.log"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: do the work, never return into the caller
+        _child(work, crumb, fault_path)
+
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
+    try:
+        how, status, seconds, state = _watch_child(pid, crumb, watch, terminated)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if how == "ended":  # the child's last words, written after the last poll
+        state = _read_json(crumb)
+    outcome = _outcome(how, status, state, _read_text(fault_path), seconds)
+    for path in (crumb, fault_path, tmp / STOP_MARKER):
+        path.unlink(missing_ok=True)
+    if not any(tmp.iterdir()):
+        tmp.rmdir()
+    return outcome
+
+
+def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
+    code = 3
+    try:
+        _die_with_parent()
+        os.environ[CHILD_ENV] = "1"
+        progress.path = crumb
+        fault_file = open(fault_path, "w")  # noqa: SIM115 - must outlive this frame
+        faulthandler.enable(file=fault_file, all_threads=False)
+        faulthandler.register(signal.SIGUSR1, file=fault_file, all_threads=True)
+        code = work()
+        progress.update(verdict=code)
+    except SystemExit as exc:  # a verdict only if work() itself chose to exit
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        print(f"probe: unexpected {message}", file=sys.stderr)
+        progress.update(error=" ".join(message.split())[:400])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _watch_child(
+    pid: int, crumb: Path, watch: Watch, terminated: list[int]
+) -> tuple[str, int, float, dict[str, Any]]:
+    """Wait for the child, stopping it on a hang, a peer's failure or SIGTERM.
+
+    Returns how it ended, its wait status, the seconds spent in its last step and, for a
+    child that was stopped, its breadcrumbs as they were when the parent decided to stop it
+    (stopping can interrupt a blocking call and let the child run on a little).
+    """
+    peer_since: float | None = None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        state = _read_json(crumb)
+        in_step = _seconds_in_step(state)
+        if done:
+            return "ended", status, in_step, state
+        if terminated:
+            return "stopped", _stop(pid, crumb, dump=False), in_step, state
+        if watch.step_deadline is not None and in_step > watch.step_deadline:
+            return "hang", _stop(pid, crumb, dump=True), in_step, state
+        if peer_since is None and watch.peer_failed():
+            peer_since = time.monotonic()
+        if peer_since is not None and time.monotonic() - peer_since > watch.peer_grace:
+            return "stopped", _stop(pid, crumb, dump=True), in_step, state
+        time.sleep(POLL_SECONDS)
+
+
+def _stop(pid: int, crumb: Path, dump: bool) -> int:
+    """Ask the child for its stacks (when ``dump``), then kill it; return its wait status.
+
+    The stop marker comes first: the signal that asks for the stacks can end a blocking call
+    early, and the child must not then go on to print a verdict of its own.
+    """
+    (crumb.parent / STOP_MARKER).touch()
+    if dump:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return os.waitpid(pid, 0)[1]
+
+
+def _seconds_in_step(state: dict[str, Any]) -> float:
+    started = state.get("started")
+    return time.time() - started if isinstance(started, int | float) else 0.0
+
+
+def _outcome(how: str, status: int, state: dict[str, Any], fault: str, seconds: float) -> Outcome:
+    code = os.waitstatus_to_exitcode(status)
+    if how in ("hang", "stopped"):
+        return Outcome(how, 3, state, fault, seconds_in_step=seconds)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return Outcome("signal", 3, state, fault, signal_name=name, seconds_in_step=seconds)
+    if "verdict" not in state:
+        how = "error" if state.get("error") else "exit"
+        return Outcome(how, 3, state, fault, exit_status=code, seconds_in_step=seconds)
+    return Outcome("finished", code, state, fault)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

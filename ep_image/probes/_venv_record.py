@@ -1,0 +1,107 @@
+"""Which venv a probe ran in and what the process loaded, for the report.
+
+Why: a GPU result counts for a backend only when it ran in a venv that make_venv.py built
+from uv.lock. The report names that venv's record (the lock's hash, the extra, what was left out)
+and every shared object and Python module the process took from outside the venv and the system,
+so a machine's own torch cannot stand in for the venv's unseen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ep_image import SOURCE_ROOT
+
+#: The venv record make_venv.py writes (ep_image/project.py VENV_RECORD), and a skeleton's.
+RECORDS = ("ep-backend.json", "ep-skeleton.json")
+#: Record fields a report repeats: what the venv was made from and what it leaves out.
+RECORD_FIELDS = (
+    "backend", "extra", "distribution", "source", "lock_sha256", "pyproject_sha256",
+    "skipped_packages", "created", "created_by", "python", "uv",
+)  # fmt: skip
+#: Where the system's and the GPU driver's libraries live (not a Python environment).
+SYSTEM_PREFIXES = (
+    "/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/", "/usr/local/cuda", "/usr/local/nvidia/",
+)  # fmt: skip
+
+
+def venv_record(prefix: str | None = None) -> dict[str, Any]:
+    """The running interpreter's venv and the fields of its make_venv record (None: no record,
+    i.e. not a venv this project built)."""
+    root = Path(prefix or sys.prefix)
+    found = next((root / name for name in RECORDS if (root / name).is_file()), None)
+    record: dict[str, Any] | None = None
+    if found is not None:
+        try:
+            data = json.loads(found.read_text())
+            record = {k: data.get(k) for k in RECORD_FIELDS}
+            record["file"] = found.name
+            abi = data.get("abi") or []
+            record["abi_ok"] = all(entry.get("ok") for entry in abi) if abi else None
+        except (OSError, ValueError) as exc:
+            record = {"file": found.name, "error": str(exc)}
+    return {
+        "python": sys.executable,
+        "prefix": str(root),
+        "is_venv": sys.prefix != sys.base_prefix,
+        "record": record,
+        "pythonpath": os.environ.get("PYTHONPATH", ""),
+    }
+
+
+def _mapped_objects() -> list[str]:
+    """Every file the process has mapped (``/proc/self/maps``), once each."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    paths = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            paths.append(parts[5].removesuffix(" (deleted)"))
+    return sorted(set(paths))
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def loaded_outside(prefix: str | None = None, allowed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What the process took from outside its venv: shared objects not under the venv (nor the
+    system's library directories) and Python modules not under the venv (nor the interpreter's
+    own standard library, the probes, or ``allowed``: e.g. an upstream test's own files). Both
+    lists empty: everything came from the venv."""
+    root = os.path.realpath(prefix or sys.prefix)
+    venv_roots = [root, os.path.abspath(prefix or sys.prefix)]
+    stdlib = [os.path.realpath(p) for p in {sys.base_prefix, sys.base_exec_prefix}]
+    here = [os.path.realpath(SOURCE_ROOT)]  # ep_image itself
+    here += [os.path.realpath(p) for p in allowed]
+    objects = []
+    for path in _mapped_objects():
+        real = os.path.realpath(path)
+        if ".so" not in Path(path).name or _under(real, venv_roots):
+            continue
+        python_package = "/site-packages/" in real or "/dist-packages/" in real
+        if python_package or not (real.startswith(SYSTEM_PREFIXES) or _under(real, stdlib)):
+            objects.append(path)
+    modules = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not os.path.isabs(file):
+            continue  # built-in, or a pseudo-module (torch.classes names "_classes.py")
+        real = os.path.realpath(file)
+        if not _under(real, venv_roots + stdlib + here):
+            modules.append(f"{name}: {file}")
+    return {"shared_objects": objects, "modules": sorted(modules)}
+
+
+def environment_facts(prefix: str | None = None) -> dict[str, Any]:
+    """The venv, its record, and what was loaded from outside it: one block for every report."""
+    facts = venv_record(prefix)
+    facts["loaded_outside_venv"] = loaded_outside(prefix)
+    return facts

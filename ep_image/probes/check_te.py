@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""check_te: prove that Transformer Engine (TE) works here, fused attention backward included.
+
+Why this probe exists: a prebuilt TE wheel imported fine and then, in fused-attention
+*backward*, asked the loaded cuDNN for a descriptor that cuDNN did not have. Importing TE
+proves nothing about that. This probe compares the cuDNN TE was built against (recorded by
+ep_image/build/build_te.py in te-build.json) with the cuDNN the process actually loaded, then runs
+fused attention forward and backward and a TE Linear forward and backward on the GPU, each
+checked against plain torch in fp32:
+
+  import           transformer_engine and transformer_engine.pytorch, version, location
+  cudnn            built-against version (te-build.json) vs loaded (cudnnGetVersion and the
+                   libcudnn path in /proc/self/maps); a mismatch fails, naming both
+  fused_attention  DotProductAttention, fused backend only, bf16, causal: output and
+                   dQ/dK/dV vs F.scaled_dot_product_attention in fp32
+  linear           te.Linear bf16: output and dX/dW/db vs F.linear in fp32
+
+Exit codes as check_ep (docs/probes.md): 0 passed, 1 wrong numbers or cuDNN mismatch,
+2 bad usage, 3 TE imports but fails at run time, 4 TE missing, 5 cannot run here (no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ep_image.probes import _facts, _venv_record
+from ep_image.probes._report import (
+    EXIT_USAGE,
+    ProbeArgumentParser,
+    Status,
+    Step,
+    StepFailed,
+    UsageError,
+    build_report,
+    exit_code_of,
+    one_line,
+    render_table,
+    timed_step,
+    write_json_atomic,
+)
+
+PROG = "check_te"
+STEP_NAMES = ("import", "cudnn", "fused_attention", "linear")
+#: Only TE's fused (cuDNN) attention backend may run: the one the cuDNN mismatch breaks.
+FUSED_ONLY_ENV = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
+#: Relative difference (||out - ref|| / ||ref||) accepted against fp32 torch.
+ATTN_FWD_TOL = 2e-2
+ATTN_BWD_TOL = 5e-2
+LINEAR_TOL = 2e-2
+INSTALL_HINT = (
+    "install Transformer Engine built from source against this venv's cuDNN: "
+    "python3 -m ep_image.build.build_te (the `moe` extra pins it), or activate the image's venv"
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = ProbeArgumentParser(
+        prog="check_te.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Prove that Transformer Engine works here: the cuDNN it was built against is the "
+            "one loaded, and fused attention (forward and backward) and Linear match plain "
+            "torch on the GPU."
+        ),
+        epilog="""\
+exit codes:
+  0 all passed   1 a check failed (wrong numbers, cuDNN built != loaded)   2 bad usage
+  3 TE imports but fails at run time   4 TE missing   5 cannot run here (no GPU; --require: 1)
+""",
+    )
+    parser.add_argument(
+        "--te-build-info",
+        metavar="PATH",
+        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else "
+        f"{_facts.DEFAULT_TE_BUILD_INFO})",
+    )
+    parser.add_argument("--batch", type=int, default=2, help="attention batch (default: 2)")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (default: 512)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads (default: 16)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head size (default: 128)")
+    parser.add_argument(
+        "--features", type=int, default=1024, help="Linear in/out features (default: 1024)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
+    parser.add_argument(
+        "--require",
+        action="store_true",
+        help="treat 'cannot run here' (exit 5) as a failure (exit 1): for CI on GPU runners",
+    )
+    args = parser.parse_args(argv)
+    for name in ("batch", "seq", "heads", "head_dim", "features"):
+        if getattr(args, name) <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------
+# cuDNN: built vs loaded (pure functions, unit-tested with real libraries)
+# ------------------------------------------------------------------------------------------
+
+
+def compare_cudnn(
+    build_info: dict[str, Any] | None, build_info_path: str, loaded: dict[str, Any]
+) -> tuple[Status, str, str, dict[str, Any]]:
+    """Judge the loaded cuDNN against te-build.json: (status, detail, hint, data).
+
+    Mismatch of major.minor.patch fails and names both versions and the library that won.
+    Two different libcudnn files mapped at once also fail: which one serves a call is luck.
+    An absent build record is reported, not failed (TE may come from elsewhere).
+    """
+    data: dict[str, Any] = {
+        "build_info_path": build_info_path,
+        "built": None,
+        "loaded": loaded.get("version"),
+        "loaded_path": loaded.get("path"),
+        "all_mapped": loaded.get("all_mapped", []),
+    }
+    if not loaded.get("path"):
+        return (
+            Status.ERROR,
+            "no libcudnn is loaded or loadable in this process",
+            "install nvidia-cudnn-cu13 in the venv (the lock pins it) and put its lib "
+            "directory on the loader path",
+            data,
+        )
+    if loaded.get("version") is None:
+        return Status.ERROR, f"{loaded['path']}: {loaded.get('error')}", "", data
+    distinct = sorted({os.path.realpath(p) for p in data["all_mapped"]})
+    if len(distinct) > 1:
+        versions = loaded.get("versions", {})
+        listed = ", ".join(
+            f"{p} ({versions.get(p) or versions.get(_mapped_name(p, data['all_mapped'])) or '?'})"
+            for p in distinct
+        )
+        return (
+            Status.FAIL,
+            f"{len(distinct)} different libcudnn.so are mapped: {listed}",
+            "load one cuDNN: put the venv's nvidia/cudnn/lib first on LD_LIBRARY_PATH (cuDNN "
+            "also dlopens its sub-libraries, libcudnn_engines_*, by name from that path) and "
+            "drop the base image's copy from the loader path",
+            data,
+        )
+    if build_info is None:
+        return (
+            Status.INFO,
+            f"loaded cuDNN {loaded['version']} from {loaded['path']}; no build record at "
+            f"{build_info_path}, so the built-against version is unknown",
+            "pass --te-build-info or set EP_TE_BUILD_INFO (python3 -m ep_image.build.build_te "
+            "writes te-build.json beside the TE wheel)",
+            data,
+        )
+    if build_info.get("skipped"):
+        return (
+            Status.INFO,
+            f"loaded cuDNN {loaded['version']} from {loaded['path']}; te-build.json says TE "
+            f"was not built ({build_info.get('reason')})",
+            "",
+            data,
+        )
+    built = build_info.get("cudnn_version")
+    data["built"] = built
+    data["built_lib"] = build_info.get("cudnn_lib")
+    built_v = _facts.parse_version_triplet(built)
+    loaded_v = _facts.parse_version_triplet(loaded["version"])
+    if built_v is None:
+        return Status.INFO, f"{build_info_path} has no cudnn_version", "", data
+    if built_v != loaded_v:
+        return (
+            Status.FAIL,
+            f"TE was built against cuDNN {built} but cuDNN {loaded['version']} is loaded, "
+            f"from {loaded['path']}",
+            f"put {build_info.get('cudnn_lib') or 'the venv cuDNN lib directory'} first on "
+            "LD_LIBRARY_PATH (or remove the other copy), or rebuild TE against the loaded "
+            "cuDNN with python3 -m ep_image.build.build_te",
+            data,
+        )
+    where = loaded["path"]
+    return Status.PASS, f"built against and loaded cuDNN {loaded['version']} ({where})", "", data
+
+
+def _mapped_name(real: str, mapped: list[str]) -> str:
+    """The path as mapped (maybe a symlink) whose real path is ``real``."""
+    return next((p for p in mapped if os.path.realpath(p) == real), real)
+
+
+# ------------------------------------------------------------------------------------------
+# Steps
+# ------------------------------------------------------------------------------------------
+
+
+def step_import() -> tuple[Step, Any]:
+    """Import TE's torch API; MISSING when TE is not installed at all."""
+    te = None
+    with timed_step("import") as step:
+        found = _facts.dist_version(*_facts.TE_DISTRIBUTIONS)
+        module_dir = _facts.module_dir("transformer_engine")
+        step.data = {
+            "distribution": found[0] if found else None,
+            "version": found[1] if found else None,
+            "module_dir": str(module_dir) if module_dir else None,
+        }
+        if module_dir is None:
+            raise StepFailed(
+                Status.MISSING,
+                "transformer_engine is not installed in this environment"
+                + (f" (only the {found[0]} {found[1]} metadata is)" if found else ""),
+                INSTALL_HINT,
+                step.data,
+            )
+        import torch
+
+        try:
+            import transformer_engine
+            import transformer_engine.pytorch as te
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            gpu = torch.cuda.is_available()
+            if not gpu:
+                raise StepFailed(
+                    Status.SKIP,
+                    f"transformer_engine is installed but does not load without a GPU: {text}",
+                    "no GPU visible: run on a GPU node",
+                    step.data,
+                ) from None
+            hint = INSTALL_HINT
+            if "cudnn" in text.lower():
+                hint = "TE and the loaded cuDNN disagree: " + INSTALL_HINT
+            raise StepFailed(Status.ERROR, f"import failed: {text}", hint, step.data) from None
+        step.data["version"] = getattr(transformer_engine, "__version__", step.data["version"])
+        step.data["module_path"] = getattr(transformer_engine, "__file__", None)
+        step.detail = (
+            f"transformer_engine {step.data['version']} at {step.data['module_path']}; "
+            f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+        )
+    return step, te
+
+
+def step_cudnn(build_info_path: str) -> Step:
+    with timed_step("cudnn") as step:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.backends.cudnn.version()  # makes torch load its cuDNN, as training would
+        info = _facts.read_json_file(build_info_path)
+        status, detail, hint, data = compare_cudnn(info, build_info_path, _facts.loaded_cudnn())
+        dist = _facts.dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
+        data["cudnn_dist"] = f"{dist[0]} {dist[1]}" if dist else None
+        step.data = data
+        if status not in (Status.PASS, Status.INFO):
+            raise StepFailed(status, detail, hint, data)
+        step.status, step.detail, step.hint = status, detail, hint
+    return step
+
+
+def _need_gpu(name: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise StepFailed(Status.SKIP, f"{name} needs a GPU", "no GPU visible: run on a GPU node")
+
+
+@contextmanager
+def _te_call(what: str) -> Iterator[None]:
+    """Run a TE call; an exception is "unusable" (3), naming the call and, for cuDNN, the fix."""
+    try:
+        yield
+    except StepFailed:
+        raise
+    except Exception as exc:
+        text = one_line(f"{type(exc).__name__}: {exc}")
+        hint = ""
+        if "cudnn" in text.lower():
+            hint = (
+                "TE failed inside cuDNN: make the cudnn step pass (one libcudnn loaded, the one "
+                "TE was built against; its sub-libraries come from the same directory), or "
+                "rebuild TE against the loaded cuDNN with python3 -m ep_image.build.build_te"
+            )
+        raise StepFailed(Status.ERROR, f"{what} raised {text}", hint) from None
+
+
+def _rel(out: Any, ref: Any) -> float:
+    out, ref = out.detach(), ref.detach()
+    ref64 = ref.double()
+    denom = float(ref64.norm())
+    num = float((out.double() - ref64).norm())
+    return num / denom if denom > 0 else num
+
+
+def step_fused_attention(te: Any, args: argparse.Namespace) -> Step:
+    """Fused (cuDNN) attention, causal, bf16: forward and backward against fp32 SDPA."""
+    with timed_step("fused_attention") as step:
+        _need_gpu("fused attention")
+        import torch
+        import torch.nn.functional as F
+
+        torch.manual_seed(args.seed)
+        b, s, h, d = args.batch, args.seq, args.heads, args.head_dim
+        dev = torch.device("cuda")
+        q, k, v = (
+            torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(3)
+        )
+        attn = te.DotProductAttention(
+            num_attention_heads=h,
+            kv_channels=d,
+            attn_mask_type="causal",
+            qkv_format="bshd",
+            attention_dropout=0.0,
+        )
+        with _te_call("fused attention forward"):
+            out = attn(q, k, v)  # [b, s, h*d]
+            torch.cuda.synchronize()
+        grad = torch.randn_like(out)
+        with _te_call("fused attention backward"):
+            out.backward(grad)
+            torch.cuda.synchronize()
+
+        qf, kf, vf = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)  # [b, h, s, d]
+        ref = ref.transpose(1, 2).reshape(b, s, h * d)
+        ref.backward(grad.float())
+        diffs = {
+            "out": _rel(out.float(), ref),
+            "dq": _rel(q.grad.float(), qf.grad.transpose(1, 2)),
+            "dk": _rel(k.grad.float(), kf.grad.transpose(1, 2)),
+            "dv": _rel(v.grad.float(), vf.grad.transpose(1, 2)),
+        }
+        step.data = {
+            "shape_bshd": [b, s, h, d],
+            "rel_diff": diffs,
+            "tolerance": {"forward": ATTN_FWD_TOL, "backward": ATTN_BWD_TOL},
+            "backend_env": FUSED_ONLY_ENV,
+        }
+        bad = [
+            f"{name} {value:.3g}"
+            for name, value in diffs.items()
+            if not value <= (ATTN_FWD_TOL if name == "out" else ATTN_BWD_TOL)
+        ]
+        if bad:
+            raise StepFailed(
+                Status.FAIL,
+                f"fused attention differs from fp32 SDPA: {', '.join(bad)} (limits "
+                f"{ATTN_FWD_TOL:g} forward, {ATTN_BWD_TOL:g} backward)",
+                "TE's fused attention computes wrong values with this cuDNN: rebuild TE "
+                "against the loaded cuDNN (python3 -m ep_image.build.build_te)",
+                step.data,
+            )
+        step.detail = (
+            f"bf16 causal {b}x{s}x{h}x{d}, fused backend only: rel diff out "
+            f"{diffs['out']:.2g}, dq {diffs['dq']:.2g}, dk {diffs['dk']:.2g}, dv {diffs['dv']:.2g}"
+        )
+    return step
+
+
+def step_linear(te: Any, args: argparse.Namespace) -> Step:
+    """te.Linear in bf16, forward and backward, against F.linear in fp32."""
+    with timed_step("linear") as step:
+        _need_gpu("TE Linear")
+        import torch
+        import torch.nn.functional as F
+
+        torch.manual_seed(args.seed + 1)
+        n = args.features
+        layer = te.Linear(n, n, bias=True, params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(args.seq, n, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        with _te_call("te.Linear forward"):
+            y = layer(x)
+            torch.cuda.synchronize()
+        grad = torch.randn_like(y)
+        with _te_call("te.Linear backward"):
+            y.backward(grad)
+            torch.cuda.synchronize()
+
+        w = layer.weight.detach().float().requires_grad_()
+        bias = layer.bias.detach().float().requires_grad_()
+        xf = x.detach().float().requires_grad_()
+        ref = F.linear(xf, w, bias)
+        ref.backward(grad.float())
+        diffs = {
+            "out": _rel(y.float(), ref),
+            "dx": _rel(x.grad.float(), xf.grad),
+            "dw": _rel(layer.weight.grad.float(), w.grad),
+            "db": _rel(layer.bias.grad.float(), bias.grad),
+        }
+        step.data = {"features": n, "tokens": args.seq, "rel_diff": diffs, "tolerance": LINEAR_TOL}
+        bad = [f"{k} {v:.3g}" for k, v in diffs.items() if not v <= LINEAR_TOL]
+        if bad:
+            raise StepFailed(
+                Status.FAIL,
+                f"te.Linear differs from fp32 F.linear: {', '.join(bad)} (limit {LINEAR_TOL:g})",
+                "TE's GEMM path is broken in this environment (cuBLAS/TE build mismatch)",
+                step.data,
+            )
+        step.detail = (
+            "bf16 {n}x{n}: rel diff out {out:.2g}, dx {dx:.2g}, dw {dw:.2g}, db {db:.2g}".format(
+                n=n, **diffs
+            )
+        )
+    return step
+
+
+# ------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    # Before TE is imported: TE reads the attention backend switches at import and first use.
+    os.environ.update(FUSED_ONLY_ENV)
+    build_info_path = _facts.te_build_info_path(args.te_build_info)
+    steps: list[Step] = []
+    imp, te = step_import()
+    steps.append(imp)
+    if imp.status != Status.PASS:
+        steps += [
+            Step(n, Status.NOT_RUN, detail=f"not run: import ended '{imp.status.value}'")
+            for n in STEP_NAMES[1:]
+        ]
+    else:
+        steps.append(step_cudnn(build_info_path))
+        steps.append(step_fused_attention(te, args))
+        steps.append(step_linear(te, args))
+    code = exit_code_of(steps, args.require)
+    versions: dict[str, Any] = {"python": sys.version.split()[0]}
+    torch_dist = _facts.dist_version("torch")
+    versions["torch"] = torch_dist[1] if torch_dist else None
+    versions["transformer_engine"] = imp.data.get("version")
+    versions["te_build_info"] = _facts.read_json_file(build_info_path)
+    report = build_report("check_te", steps, code, require=bool(args.require), versions=versions)
+    report["environment"] = _venv_record.environment_facts()
+    header = [f"te-build.json: {build_info_path}"]
+    print(render_table("check_te", header, steps, code), flush=True)
+    if args.json:
+        write_json_atomic(args.json, report)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(parse_args(argv))
+    except UsageError as exc:
+        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
