@@ -190,6 +190,12 @@ def test_input_stages_hold_what_the_build_steps_import(tmp_path: Path) -> None:
                 continue  # another stage's output, or the TE source: not the steps' imports
             *sources, dest = copy.replace("\\\n", " ").split()
             for source in sources:
+                if (ROOT / source).is_dir():  # COPY dir/ dest/: the directory's content
+                    target = root / dest.removeprefix("/opt/ep-image/")
+                    shutil.copytree(
+                        ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__")
+                    )
+                    continue
                 target = root / dest.removeprefix("/opt/ep-image/") / Path(source).name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / source, target)

@@ -7,7 +7,9 @@ is checked against it here, so adding a backend fails loudly until every copy fo
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +114,7 @@ def test_the_shared_gpu_job_runs_the_backends_that_can_share_a_gpu() -> None:
 # Where a backend name may appear: the registry itself, its tests, docs, the pins, the
 # Dockerfile's generated stages (checked against the registry) and the workflows' EP lists
 # (checked above).
-ALLOWED = ("docs/", "tests/", "README.md", "pyproject.toml", "uv.lock", "ep_image/backends.py")
+ALLOWED = ("docs/", "tests/", "README.md", "pyproject.toml", "uv.lock", "ep_image/backends/")
 
 
 def test_backend_names_are_spelled_only_where_the_registry_reaches() -> None:
@@ -172,12 +174,47 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
-def test_each_backend_has_the_adapter_of_its_layout() -> None:
-    """check_ep's adapters are keyed by the API a layout ships; the registry says which backend
-    ships which, so a backend's name is written in one place only."""
+def test_each_backend_has_the_adapter_of_its_api() -> None:
+    """check_ep's adapters are keyed by the ``deep_ep`` API they drive; the registry says which
+    backend ships which, so a backend's name is written in its module only."""
     from ep_image.probes import ep_adapters
 
-    for name, marker in backends.layout_markers():
-        adapter = ep_adapters.BUILTIN[name]
-        assert adapter is ep_adapters.ADAPTER_OF[marker] and adapter.name == name
+    for spec in backends.SPECS:
+        adapter = ep_adapters.BUILTIN[spec.name]
+        assert issubclass(adapter, ep_adapters.ADAPTERS[spec.api]), spec.name
+        assert adapter.name == spec.name and adapter.api == spec.api
     assert set(ep_adapters.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
+    # The shared adapter classes were not renamed by binding them.
+    assert all(cls.name == "" for cls in ep_adapters.ADAPTERS.values())
+
+
+def test_every_internode_check_kind_has_its_check() -> None:
+    from ep_image.probes import _internode
+
+    assert set(_internode.CHECKS) == set(backends.INTERNODE_CHECKS)
+    assert {s.internode_check for s in backends.SPECS} <= set(backends.INTERNODE_CHECKS)
+
+
+def test_a_backend_is_its_module(tmp_path: Path) -> None:
+    """A fourth backend is one module under ep_image/backends/: the registry lists it, in
+    module-name order, with no other file touched; a module that breaks the rules is refused."""
+    package = tmp_path / "ep_image"
+    shutil.copytree(ROOT / "ep_image", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "backends" / "mori_ep.py").write_text(
+        "from ep_image.backends._spec import BackendSpec\n"
+        "SPEC = BackendSpec(name='mori_ep', title='MORI-EP', distribution='mori-ep',\n"
+        "                   layout_marker='mori.py', api='Buffer')\n"
+    )
+    code = "from ep_image import backends as b; print(' '.join(b.BACKEND_NAMES), b.DEFAULT_BACKEND)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.stdout.split() == [*backends.BACKEND_NAMES, "mori_ep", backends.DEFAULT_BACKEND]
+    (package / "backends" / "mori_ep.py").write_text(
+        "from ep_image.backends._spec import BackendSpec\n"
+        "SPEC = BackendSpec(name='mori-ep', title='MORI-EP', distribution='mori-ep',\n"
+        "                   layout_marker='mori.py', api='Buffer', default=True)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode != 0 and "SPEC.name must be the module's name" in run.stderr

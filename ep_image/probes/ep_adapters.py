@@ -78,6 +78,8 @@ class EPBackend(abc.ABC):
 
     #: Name in reports.
     name: ClassVar[str] = "custom"
+    #: The ``deep_ep`` buffer class it drives (``BackendSpec.api``); empty for other adapters.
+    api: ClassVar[str] = ""
     #: Needs CUDA devices (and an NCCL process group).
     requires_gpu: ClassVar[bool] = True
     #: Compiles kernels at run time, so it needs a CUDA home with nvcc.
@@ -284,7 +286,8 @@ class DeepEPv1Backend(EPBackend):
     uses on its own (``get_num_rdma_ranks() > 1``).
     """
 
-    name = ""  # the registry's name, set below (ADAPTER_OF)
+    name = ""  # the backend's, given by adapter_for
+    api = "Buffer"
     world_sizes = (2, 4, 8)
     world_size_note = (
         "DeepEP v1 intranode kernels support only 2, 4 or 8 ranks on one NVLink node; "
@@ -392,7 +395,8 @@ class DeepEPv2Backend(EPBackend):
     requires NCCL >= 2.30 (``ncclCommQueryProperties``).
     """
 
-    name = ""  # the registry's name, set below (ADAPTER_OF)
+    name = ""  # the backend's, given by adapter_for
+    api = "ElasticBuffer"
     jit_compiles = True
     min_nccl = (2, 30)
     needs_nccl_group = True
@@ -462,7 +466,8 @@ class HybridEPBackend(EPBackend):
     its kernels (CUDA home with nvcc needed).
     """
 
-    name = ""  # the registry's name, set below (ADAPTER_OF)
+    name = ""  # the backend's, given by adapter_for
+    api = "HybridEPBuffer"
     jit_compiles = True
     input_limits: ClassVar[dict[str, str]] = {
         UNEVEN_TOKENS: "HybridEPBuffer.dispatch takes one token count for every rank (it "
@@ -591,17 +596,20 @@ def _routing_map_to_topk(
     return idx, weights
 
 
-#: Each registry backend's adapter, by the API its layout ships (ep_image/backends.py
-#: ``layout_marker``): the adapters know APIs, the registry knows which backend has which.
-ADAPTER_OF: dict[str, type[EPBackend]] = {
-    "buffer.py": DeepEPv1Backend,
-    "buffers/elastic.py": DeepEPv2Backend,
-    "hybrid_ep_buffer.py": HybridEPBackend,
+#: The adapter of each ``deep_ep`` API (``BackendSpec.api``): the adapters know APIs, the
+#: registry knows which backend ships which, so a backend on a known API needs no code here.
+ADAPTERS: dict[str, type[EPBackend]] = {
+    cls.api: cls for cls in (DeepEPv1Backend, DeepEPv2Backend, HybridEPBackend)
 }
-BUILTIN: dict[str, type[EPBackend]] = {}
-for _name, _marker in registry.layout_markers():
-    BUILTIN[_name] = ADAPTER_OF[_marker]
-    BUILTIN[_name].name = _name
+
+
+def adapter_for(spec: registry.BackendSpec) -> type[EPBackend]:
+    """The adapter of ``spec``'s API, as a class named after the backend (for reports)."""
+    base = ADAPTERS[spec.api]
+    return type(base.__name__, (base,), {"name": spec.name, "__module__": base.__module__})
+
+
+BUILTIN: dict[str, type[EPBackend]] = {s.name: adapter_for(s) for s in registry.SPECS}
 BUILTIN["torch"] = TorchBackend
 
 

@@ -127,17 +127,7 @@ def shape_arguments(
     backend: str, shape: tuple[int, int, int, int], ranks: int
 ) -> tuple[list[str], dict[str, str]]:
     """The test's own flags (v1, v2) or environment variables (HybridEP) for ``shape``."""
-    tokens, hidden, experts, topk = shape
-    if backend == "hybridep":
-        return [], {
-            "HIDDEN_DIM": str(hidden),
-            "MAX_NUM_OF_TOKENS_PER_RANK": str(tokens),
-            "NUM_TOKENS_PER_RANK": str(tokens),
-            "NUM_LOCAL_EXPERTS": str(experts // ranks),
-            "TOPK": str(topk),
-        }
-    flags = ["--num-tokens", str(tokens), "--hidden", str(hidden)]
-    return [*flags, "--num-topk", str(topk), "--num-experts", str(experts)], {}
+    return registry.spec(backend).upstream_shape_arguments(shape, ranks)
 
 
 def _free_port() -> int:

@@ -1,179 +1,71 @@
-"""The expert-parallel (EP) backend registry: the one place where a backend is defined.
+"""The expert-parallel (EP) backend registry: one module per backend, one place for each fact.
 
-Why this module exists: DeepEP v1, DeepEP v2 and HybridEP all ship the Python module
-``deep_ep``, so a venv holds exactly one of them, chosen through a uv extra of the same name.
-The build scripts, the probes, the Dockerfile's stages and the CI workflows must agree on those
-names, on how to recognise each backend once installed, on the default, and on what a backend
-needs to build. All of that is here; everything else imports it (``scripts/``, ``probes/``) or
-is checked against it by a test (the Dockerfile's generated stages, ``docker/select-ep``'s
-input, the workflow matrix).
-
-What is *not* here: versions and git commits. Those are pins, and pins live in
-``pyproject.toml`` and ``uv.lock`` only; ``load_registry`` reads them from there and fails
-loudly when an extra or distribution named here is missing.
-
-Adding a backend: add a ``BackendSpec`` to ``SPECS`` and its extra to pyproject.toml, run
-``python -m ep_image.dockerfile --write``, add it to the workflows' ``ep`` lists; the tests
-name whatever still disagrees.
-
-Run it to see the registry: ``python -m ep_image.backends [--json | --names | --image-ep]``.
+Each module here (``deepep_v1.py``, ...) declares its backend's ``SPEC``; this package collects
+them and answers every question the build, the probes, the Dockerfile's generated stages and the
+workflows ask about backends. Pins are not here: they are read from pyproject.toml. Adding a
+backend and what else it touches: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
+import pkgutil
 import re
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ep_image.backends._spec import (
+    INTERNODE_CHECKS,
+    MODULE,
+    NCCL,
+    NVSHMEM,
+    UPSTREAM_SHAPES,
+    BackendSpec,
+    Provider,
+    Variant,
+)
 from ep_image.project import PinError, git_source, normalize, read_toml
 
-#: The Python module every backend ships (why they conflict).
-MODULE = "deep_ep"
+__all__ = [
+    "ALL", "BACKEND_EXTRAS", "BACKEND_NAMES", "DEFAULT_BACKEND", "INTERNODE_CHECKS", "MODULE",
+    "NCCL", "NVSHMEM", "PROVIDERS", "SPECS", "UPSTREAM_SHAPES", "Backend", "BackendSpec",
+    "Provider", "RegistryError", "UnknownBackendError", "Variant",
+]  # fmt: skip
 
 #: Selects every backend where a caller accepts several (host mode, the image's EP).
 ALL = "all"
 
-#: What ``build_needs`` may hold. NVSHMEM: the source build links NVSHMEM from NVSHMEM_DIR;
-#: ep_image/build/make_venv.py points that at the venv's own nvidia-nvshmem (ep_image/nvshmem.py).
-NVSHMEM = "nvshmem"
-#: NCCL: the source build links ``-l:libnccl.so.2`` without a ``-L`` for it (DeepEP v2's
-#: setup.py at af9a0403); make_venv puts the venv's own nvidia-nccl on that build's LIBRARY_PATH.
-NCCL = "nccl"
+
+def _discover() -> tuple[BackendSpec, ...]:
+    """Every backend module's SPEC, in module-name order: that order is the registry's."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    specs = tuple(importlib.import_module(f"{__name__}.{name}").SPEC for name in names)
+    for name, found in zip(names, specs, strict=True):
+        where = f"ep_image/backends/{name}.py"
+        if found.name != name or "-" in name:
+            raise RuntimeError(f"{where}: SPEC.name must be the module's name, without '-'")
+        if found.internode_check not in ("", *INTERNODE_CHECKS):
+            raise RuntimeError(f"{where}: internode_check must be one of {INTERNODE_CHECKS}")
+        if found.upstream_shape not in UPSTREAM_SHAPES:
+            raise RuntimeError(f"{where}: upstream_shape must be one of {UPSTREAM_SHAPES}")
+    if sum(s.default for s in specs) != 1:
+        raise RuntimeError("exactly one backend module must say default=True")
+    return specs
 
 
-@dataclass(frozen=True)
-class Variant:
-    """Another uv extra that installs the same backend from another source.
-
-    Same module layout, same probes, same venv name (``<prefix>/<backend>``); only where the
-    distribution comes from differs (``make_venv.py --variant EXTRA``).
-    """
-
-    extra: str
-    distribution: str
-    summary: str
-    #: Build-time needs of this source (see NVSHMEM, NCCL), in place of the backend's.
-    build_needs: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """What identifies a backend; no pins (those are read from pyproject.toml)."""
-
-    #: Backend name, also the uv extra and the image's stage suffix (no "-": it joins names).
-    name: str
-    #: For people: what it is and its main buffer class.
-    title: str
-    #: The distribution that installs this backend's ``deep_ep`` in the lock.
-    distribution: str
-    #: A path inside ``deep_ep/`` that only this backend's layout ships.
-    layout_marker: str
-    #: Backends whose marker this layout ships as well (so this marker is tested first).
-    also_ships_markers_of: tuple[str, ...] = ()
-    #: Compiled during the build (its image stage then takes the arch list and job count).
-    builds_from_source: bool = False
-    #: Build-time needs the build scripts act on (see NVSHMEM).
-    build_needs: tuple[str, ...] = ()
-    #: What building it needs from the machine, for error messages and docs.
-    build_hint: str = "prebuilt wheel from PyPI: nothing to compile"
-    #: Its compiled extension links NVSHMEM when built with it (internode and low-latency
-    #: kernels); a build without NVSHMEM silently loses them, so the probes report which it is.
-    links_nvshmem: bool = False
-    #: How the probes judge its internode support from the build: "nvshmem" (the extension
-    #: links libnvshmem_host), "rdma" (links libibverbs/libmlx5 or NIXL: a multinode build),
-    #: "nccl_gin" (NCCL >= 2.30 with GPU-initiated networking).
-    internode_check: str = ""
-    #: Needs NCCL GIN, hence an RDMA NIC, even on one node.
-    needs_nccl_gin: bool = False
-    #: Its own test in its repository, under tests/ at the commit its layout follows (the
-    #: upstream-test oracle, upstream_test.py), and whether several ranks may share a GPU
-    #: there (False: it builds NCCL communicators, which refuse that).
-    upstream_test: str = ""
-    shares_gpu: bool = True
-    #: pyproject.toml's [tool.uv.extra-build-variables] of its distribution are its switches
-    #: (HybridEP's multi-node build); a variant sharing the distribution ignores them.
-    reads_build_variables: bool = False
-    #: Other extras that install this backend from another source.
-    variants: tuple[Variant, ...] = ()
-
-    @property
-    def extra(self) -> str:
-        return self.name
-
-    @property
-    def marker_file(self) -> str:
-        """The layout marker relative to site-packages."""
-        return f"{MODULE}/{self.layout_marker}"
-
-
-#: The backends, in the order scripts build and list them.
-SPECS: tuple[BackendSpec, ...] = (
-    BackendSpec(
-        name="deepep_v1",
-        title="DeepEP v1 (deep_ep.Buffer)",
-        distribution="deep-ep",
-        layout_marker="buffer.py",
-        builds_from_source=True,
-        build_needs=(NVSHMEM,),
-        links_nvshmem=True,
-        internode_check="nvshmem",
-        upstream_test="test_intranode.py",
-        build_hint=(
-            "compiled from its pinned git commit against the venv's torch and NVSHMEM: needs git "
-            "access to the commit (GitHub, or a mirror through url.<mirror>.insteadOf), a CUDA "
-            "toolkit with nvcc, and libcuda.so to link (the driver's, or the toolkit's stub)"
-        ),
-    ),
-    BackendSpec(
-        name="deepep_v2",
-        title="DeepEP v2 (deep_ep.ElasticBuffer; JIT: needs a CUDA home with nvcc at run time)",
-        distribution="sgl-deep-ep",
-        layout_marker="buffers/elastic.py",
-        internode_check="nccl_gin",
-        needs_nccl_gin=True,
-        upstream_test="elastic/test_ep.py",
-        shares_gpu=False,
-        variants=(
-            Variant(
-                extra="deepep_v2_pinned",
-                distribution="deep-ep",
-                summary=(
-                    "upstream DeepEP at the seed's pinned commit, built from source (nvcc, "
-                    "NCCL >= 2.30 from the lock) instead of SGLang's wheel"
-                ),
-                build_needs=(NCCL,),
-            ),
-        ),
-    ),
-    BackendSpec(
-        name="hybridep",
-        title="HybridEP (deep_ep.HybridEPBuffer, NVIDIA's hybrid-ep branch of DeepEP)",
-        distribution="deep-ep",
-        layout_marker="hybrid_ep_buffer.py",
-        also_ships_markers_of=("deepep_v1",),
-        builds_from_source=True,
-        build_needs=(NVSHMEM,),
-        links_nvshmem=True,
-        internode_check="rdma",
-        upstream_test="test_hybrid_ep.py",
-        reads_build_variables=True,
-        build_hint=(
-            "compiled from its pinned git commit, multi-node (HYBRID_EP_MULTINODE=1): needs git "
-            "access to the commit and its NVIDIA/nccl submodule (GitHub, or a mirror through "
-            "url.<mirror>.insteadOf), a CUDA toolkit with nvcc and the libcuda and NVML stubs, "
-            "and rdma-core's headers (libibverbs-dev)"
-        ),
-    ),
-)
+#: The backends, one module each (ep_image/backends/<name>.py), in the order scripts build
+#: and list them.
+SPECS: tuple[BackendSpec, ...] = _discover()
 
 #: The backend an image or host prefix makes active when nothing else is asked for, and the
-#: image's default EP. The `moe` extra of pyproject.toml holds the same one (a test checks).
-DEFAULT_BACKEND = "deepep_v2"
+#: image's default EP: the one module whose SPEC says ``default=True``. The `moe` extra of
+#: pyproject.toml holds the same one (a test checks).
+DEFAULT_BACKEND: str = next(s.name for s in SPECS if s.default)
 
 BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in SPECS)
 #: Every extra that installs a backend: the backends', then their variants' (uv's conflict set).
@@ -181,27 +73,21 @@ BACKEND_EXTRAS: tuple[str, ...] = BACKEND_NAMES + tuple(v.extra for s in SPECS f
 _SPECS_BY_NAME: dict[str, BackendSpec] = {spec.name: spec for spec in SPECS}
 
 
-@dataclass(frozen=True)
-class Provider:
-    """A distribution known to install ``deep_ep`` and the backend its name stands for.
-
-    ``backend`` None: the name alone does not tell (a git build of DeepEP); the file layout
-    decides. ``major``: the rule applies only to versions with this major number.
-    """
-
-    distribution: str
-    backend: str | None
-    major: str | None = None
+def _providers() -> tuple[Provider, ...]:
+    """The modules' providers, a version-specific rule before the general one of the same
+    distribution; then every spec's or variant's distribution that no rule names (a git build of
+    DeepEP), whose layout alone tells the backend."""
+    named = [p for s in SPECS for p in s.providers]
+    order = list(dict.fromkeys(p.distribution for p in named))
+    rules = sorted(named, key=lambda p: (order.index(p.distribution), p.major is None))
+    dists = [d for s in SPECS for d in (s.distribution, *(v.distribution for v in s.variants))]
+    generic = [Provider(d, None) for d in dict.fromkeys(dists) if d not in order]
+    return (*rules, *generic)
 
 
 #: Every distribution known to carry ``deep_ep``, including builds the lock does not use
 #: (tokenspeed-deepep 2.x ships the v2 layout), in the order probes look for them.
-PROVIDERS: tuple[Provider, ...] = (
-    Provider("sgl-deep-ep", "deepep_v2"),
-    Provider("tokenspeed-deepep", "deepep_v1", major="1"),
-    Provider("tokenspeed-deepep", "deepep_v2"),
-    Provider("deep-ep", None),
-)
+PROVIDERS: tuple[Provider, ...] = _providers()
 
 
 class UnknownBackendError(ValueError):
@@ -346,7 +232,7 @@ def resolve_active(selected: Iterable[str], requested: str = "auto") -> str:
 # --- pins, read from pyproject.toml --------------------------------------------------------------
 
 
-DEFAULT_PROJECT = Path(__file__).resolve().parent.parent
+DEFAULT_PROJECT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -391,7 +277,7 @@ def _requirement_for(extra_reqs: list[str], distribution: str) -> str:
             return req.strip()
     raise RegistryError(
         f"distribution {distribution!r} is not in the extra's requirements {extra_reqs}; "
-        "update SPECS in ep_image/backends.py to match pyproject.toml"
+        "update the backend's module in ep_image/backends/ to match pyproject.toml"
     )
 
 
@@ -447,9 +333,10 @@ def get_backend(name: str, project: Path = DEFAULT_PROJECT, variant: str | None 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="ep_backends",
+        prog="python -m ep_image.backends",
         description=(
-            "Print the EP backend registry (ep_image/backends.py): each backend's uv extra, the "
+            "Print the EP backend registry (ep_image/backends/, one module per backend): each "
+            "backend's uv extra, the "
             "distribution that ships its `deep_ep` module, the marker file that identifies its "
             "layout, what its build needs, and its requirement and source as pyproject.toml "
             "pins them."
@@ -491,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         registry = load_registry(args.project)
     except RegistryError as exc:
-        print(f"ep_backends: {exc}", file=sys.stderr)
+        print(f"ep_image.backends: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({n: asdict(b) for n, b in registry.items()}, indent=2))
@@ -504,7 +391,3 @@ def main(argv: list[str] | None = None) -> int:
             f"marker={backend.marker_file}{default}"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,25 @@
+"""HybridEP (``deep_ep.HybridEPBuffer``): NVIDIA's hybrid-ep branch of DeepEP, source-built."""
+
+from ep_image.backends._spec import NVSHMEM, BackendSpec
+
+SPEC = BackendSpec(
+    name="hybridep",
+    title="HybridEP (deep_ep.HybridEPBuffer, NVIDIA's hybrid-ep branch of DeepEP)",
+    distribution="deep-ep",
+    layout_marker="hybrid_ep_buffer.py",
+    api="HybridEPBuffer",
+    also_ships_markers_of=("deepep_v1",),
+    builds_from_source=True,
+    build_needs=(NVSHMEM,),
+    links_nvshmem=True,
+    internode_check="rdma",
+    upstream_test="test_hybrid_ep.py",
+    upstream_shape="env",
+    reads_build_variables=True,
+    build_hint=(
+        "compiled from its pinned git commit, multi-node (HYBRID_EP_MULTINODE=1): needs git "
+        "access to the commit and its NVIDIA/nccl submodule (GitHub, or a mirror through "
+        "url.<mirror>.insteadOf), a CUDA toolkit with nvcc and the libcuda and NVML stubs, "
+        "and rdma-core's headers (libibverbs-dev)"
+    ),
+)
