@@ -1,13 +1,8 @@
 """Does a venv's compiled code bind to the torch, NCCL, ... that venv holds? Symbols, not files.
 
-Why: a wheel built against another torch installs cleanly, its libraries are all found, and it
-fails at ``import`` with an undefined symbol (tokenspeed-deepep 1.2.1 on torch 2.14.1:
-``c10::impl::cow::materialize_cow_storage``). The loader itself answers the question without a
-GPU and without running any code: in trace mode with ``LD_BIND_NOW`` it binds every symbol of
-every object it maps and prints each one it cannot. The objects are mapped as ``import`` maps
-them: the venv's python (whose ``Py*`` symbols extensions use), torch's libraries first, then
-the extension. Where the GPU driver is absent (a build host), the CUDA toolkit's stubs stand in
-for ``libcuda.so.1`` and ``libnvidia-ml.so.1``. Standard library only.
+The loader answers without a GPU or running any code: in trace mode with ``LD_BIND_NOW`` it maps
+each extension as ``import`` does and names every symbol it cannot bind. Standard library only.
+See docs/backends.md, section "Checking the ABI without a GPU".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """HybridEP's JIT kernels kept across processes: a shared cache keyed on what they are built from.
 
-Why: HybridEP compiles its preprocessing, dispatch and combine kernels with nvcc in every
-process, into ``<HYBRID_EP_CACHE_DIR, else the passwd home, else /tmp>/.deepep/hybrid_ep/jit/
-proc-<pid>``, so nothing is reused across processes or runs (12.6 s of a 2-rank dispatch+combine
-on an H200 was nvcc). ``prepare()`` fills that directory from a shared cache before the buffer is
-built (``HybridEPBuffer(load_cached_kernels=True)`` loads every ``<kernel_key>.so`` there),
-``publish()`` adds what this process compiled, atomically, and ``close()`` removes the directory.
-
-The shared cache is ``$EP_HYBRIDEP_JIT_CACHE`` (default ``/var/cache/ep-jit/hybrid_ep``, beside
-DeepEP v2's ``EP_JIT_CACHE_DIR``; ``off`` disables it), one subdirectory per key: a hash of the
-installed ``deep_ep/backend`` headers, the ``hybrid_ep_cpp`` extension (its build flags, arch
-list and multi-node objects), ``nvcc --version`` and the GPU arch. HybridEP's own kernel names
-say nothing of those, so a kernel from another build, nvcc or GPU is never loaded. Nothing here
-may fail a training job: every problem becomes one warning and HybridEP compiles as before.
-The cache holds code this process will load: keep it writable only by trusted users.
-
-Standard library only: the probes load it inside backend venvs.
+HybridEP compiles its kernels with nvcc in every process; ``prepare()`` fills its per-process
+directory from ``$EP_HYBRIDEP_JIT_CACHE``, ``publish()`` adds what it compiled. Nothing here may
+fail a training job: every problem becomes one warning. Standard library only: the probes load
+it inside backend venvs. See docs/image.md, section "Running the image".
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Where the real dynamic loader finds each shared library an ELF file needs.
 
-Why: a check that looks for a same-named file somewhere in site-packages is wrong both ways.
-The loader searches only the object's DT_RPATH/DT_RUNPATH (with ``$ORIGIN``), LD_LIBRARY_PATH,
-the ldconfig cache and the default directories, and before any of that it reuses an object
-already loaded under the same soname. A same-named decoy in another package satisfies nothing;
-a library reached through ``$ORIGIN/../..`` outside site-packages does. Rather than re-implement
-those rules, this module runs the loader itself in trace mode, as ``ldd`` does:
-``LD_TRACE_LOADED_OBJECTS=1 <ld.so> FILE`` maps FILE and every object it needs, prints where
-each was found (or "not found") and runs none of their code.
-
-Import order matters: Python loads a torch extension after ``import torch`` has loaded torch's
-libraries, and the extension's ``libc10.so`` is then that already-loaded object (the extension
-has no RUNPATH to torch/lib). :func:`resolve` models this with ``preload``: the loader maps
-those objects first (LD_PRELOAD), exactly as if they were loaded already. :func:`closure` finds
-them by tracing torch's own extension module the same way.
+Runs the loader itself in trace mode, as ``ldd`` does, instead of looking for same-named files;
+``preload`` maps first what ``import torch`` loaded, which an extension then reuses by soname.
+See docs/backends.md, section "Checking the ABI without a GPU".
 """
 
 from __future__ import annotations

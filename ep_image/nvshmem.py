@@ -1,30 +1,11 @@
-"""HybridEP's NVSHMEM build set-up: one code path, run by host mode and by the image alike.
+"""The NVSHMEM set-up of DeepEP's source builds (v1, HybridEP), for host mode and image alike.
 
-Why: HybridEP (DeepEP's hybrid-ep branch) compiles ``deep_ep_cpp`` against NVSHMEM. Its
-setup.py links ``libnvshmem_host.so`` from ``$NVSHMEM_DIR/lib`` and records
-``-rpath $NVSHMEM_DIR/lib``; without NVSHMEM_DIR it takes the ``nvidia.nvshmem`` module of uv's
-isolated build environment, a temporary directory, so the extension then names a path that is
-gone when the build ends (it loads only if something else loaded NVSHMEM first). Host mode did
-exactly that while the image had its own fix-up; this module is the one fix both now run,
-through ep_image/build/make_venv.py (``BackendSpec.build_needs`` holds ``nvshmem``):
-
-1. make_venv syncs everything except the backend's own distribution, so the venv holds the
-   lock's nvidia-nvshmem-cu13;
-2. ``build_environment(venv)`` adds the unversioned ``libnvshmem_host.so`` link the wheel lacks
-   and returns NVSHMEM_DIR (that directory, inside the venv) and LDFLAGS with the runpath
-   ``$ORIGIN/nvidia/nvshmem/lib``: the extension sits at the top of site-packages, so it finds
-   the venv's own NVSHMEM relative to itself however the venv is renamed, copied or mounted.
-   With CUDA 13 it also puts ``$CUDA_HOME/include/cccl`` on CPATH: NVSHMEM's host headers
-   include libcu++ (``cuda/std/tuple``), which CUDA 13 keeps there, a directory nvcc adds by
-   itself but the C++ compiler building the extension's ``.cpp`` files does not (seen: the
-   HybridEP build stopped at ``deep_ep.cpp`` without it);
-3. make_venv syncs the backend with that environment, then ``check_extension(venv)`` reads the
-   built extension's dynamic section and fails unless that runpath and the NVSHMEM library it
-   needs are there (a wheel uv reused from its cache, built without this set-up, is caught).
-
-The absolute NVSHMEM_DIR entry setup.py adds to the runpath points at the venv's temporary
-build name and is dead once the venv is renamed; the ``$ORIGIN`` entry after it is the one the
-loader uses. Standard library only.
+Without NVSHMEM_DIR, setup.py links the NVSHMEM of uv's temporary build environment, gone after
+the build: ``build_environment`` points it at the venv's own with an ``$ORIGIN`` runpath (the
+absolute entry setup.py adds dies when the venv is renamed) and, with CUDA 13, puts
+``include/cccl`` on CPATH (NVSHMEM's headers need libcu++, which g++ does not find by itself);
+``check_extension`` checks the result. Standard library only. See docs/image.md, section "The
+DeepEP source builds and their NVSHMEM".
 """
 
 from __future__ import annotations

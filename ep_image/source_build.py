@@ -1,16 +1,9 @@
 """The machine's part of a backend's source build: checked before it starts, keyed for uv's cache.
 
-Why: every DeepEP build compiles with nvcc and links ``-lcuda``, and HybridEP's multi-node build
-also compiles against rdma-core's headers and links ``-l:libnvidia-ml.so.1``; on a build machine
-without a driver or headers each fails minutes into the compile with a linker or preprocessor
-line. So ``preflight`` names the fix first, and ``link_stubs`` puts the CUDA toolkit's driver
-stubs on the link path of that one build (the driver's real libraries are loaded at run time).
-
-uv keys its build cache on the source and the declared build variables, not on the environment
-(tests/test_build_variables.py shows a changed ``TORCH_CUDA_ARCH_LIST`` silently reusing the old
-wheel). ``refresh_cache`` keys the build on those inputs, as Megatron keys its wheel cache: when
-they changed since the last build that used this uv cache, it drops the package's cached builds.
-Standard library only.
+``preflight`` names a missing nvcc, rdma-core header or driver library before minutes of compile,
+``link_stubs`` links that build against the CUDA toolkit's stubs, and ``refresh_cache`` drops
+uv's cached build when an input uv does not key on changed. Standard library only. See
+docs/backends.md, section "Building the git sources".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 #!/usr/bin/env python3
 """bootstrap.py: install what this repository's commands need, on a machine with only Python.
 
-Why: README's two commands, the main job and the tests, must work on a fresh machine where
-nothing but ``python3`` is installed, and must use the uv that wrote uv.lock. This script
-installs exactly that, nothing else, and says what it did:
-
-- uv at the pinned version (ep_image/tools.py ``UV_VERSION``): the uv on PATH when it is that
-  version; otherwise the uv wheel from PyPI, its SHA-256 checked against PyPI's, unpacked into
-  ``~/.cache/ep-image/uv-<version>/bin`` (no pip, no venv module needed). make_venv.py
-  and build_te.py look there when uv is not on PATH.
-- with ``--tests``: what the test suite needs from the distribution, so the image tests run
-  instead of skipping: buildah, debootstrap, git, a C compiler (the stand-in HybridEP), GNU
-  make and libibverbs-dev (HybridEP's source build), with apt-get, only those missing. Without
-  root it prints the apt-get command and goes on; the tests that need them then skip and say why.
-
-    python3 -m ep_image.build.bootstrap [--tests] [-- COMMAND [ARG...]]
-
-With COMMAND, runs it with that uv first on PATH and exits with its status.
+Installs the pinned uv (ep_image/tools.py) where PATH lacks it, from PyPI's wheel with its
+SHA-256 checked, into ``~/.cache/ep-image/uv-<version>/bin``; with ``--tests`` also the test
+tools, through apt-get as root. See docs/ci.md, section "CPU CI (ci.yml) and its local twin
+.ci/run".
 """
 
 from __future__ import annotations

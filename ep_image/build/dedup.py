@@ -1,67 +1,9 @@
 """Hardlink identical regular files across directory trees (per-backend venvs).
 
-Why: an image or host prefix holds one venv per EP backend, and each venv carries the same
-~5 GB of torch, CUDA libraries and friends. Linking identical files makes N venvs cost about one
-on disk and in an image layer, while each venv stays a complete, independent-looking tree.
-
-The finding and linking is util-linux `hardlink` (>= 2.38: Debian 12 ships 2.38, Ubuntu 24.04,
-the image's base, 2.39, Debian 13 2.41; util-linux is an essential package in all of them).
-It guarantees, and is run so that (``--respect-xattrs --method memcmp --maximize``):
-- only regular files are linked; it never follows a symlink;
-- files are linked only when their bytes are equal (size, then a byte-for-byte comparison),
-  they are on one device, and their mode, owner, group and xattrs are equal;
-- each duplicate is replaced atomically: the kept file is linked to
-  ``<duplicate>.hardlink-temporary``, which is renamed over the duplicate, so every path holds
-  a complete file at every instant;
-- of equal files it keeps the inode with the most links, so an inode shared with uv's cache
-  (or an earlier run) is the one kept and a copy is the one freed.
-
-What this script adds, because hardlink does not do it (each tested in tests/test_dedup.py and
-tests/test_dedup_runs.py):
-- all ROOTs must be on one filesystem, else the run is refused before anything changes (exit
-  2); hardlink would silently link per device. Directories of another filesystem below a ROOT
-  are left out (hardlink 2.38/2.39 have no ``--mount``).
-- files that tools rewrite in place are never linked (``pyvenv.cfg``, ``*.pth``, the venv's
-  ``bin/activate*``, a dist's ``RECORD``/``INSTALLER``/``REQUESTED``/``direct_url.json``,
-  ``ep-backend.json``), passed to hardlink as ``--exclude`` regexes.
-- the bytecode rule: hardlink runs with ``--ignore-time``, since copies of one wheel get
-  different mtimes. But a timestamp-validated ``.pyc`` is valid only while its source keeps the
-  mtime it records, and a shared inode has one mtime. So if any ``.pyc`` under the ROOTs is
-  timestamp-validated, ``.py`` files get a second hardlink pass of their own that respects
-  mtimes (whole inodes, whichever path holds the ``.pyc``). make_venv.py compiles hash-checked
-  ``.pyc`` files, so its venvs never need that pass; pip, uv's UV_COMPILE_BYTECODE and Python
-  itself at import write timestamp-validated ones.
-- ``--read-only``: every inode shared by two or more paths here loses its write bits, so an
-  in-place write into one venv fails (for non-root users) instead of reaching the others.
-  Write bits do not keep equal files apart under ``--read-only`` (a venv added later still
-  links to the read-only copies): they are cleared before hardlink runs and given back to
-  inodes that stayed unshared. The modes it clears are first written to a journal in each
-  ROOT (``.dedup-read-only-modes.json``), removed when the run ends: a run killed in between
-  leaves it, and the next run gives those modes back before it does anything else. Inodes
-  also linked from outside the ROOTs are not ours to change: they keep their mode, and under
-  ``--read-only`` they are kept out of hardlink's reach when a copy of them is here (passed as
-  ``--exclude`` regexes), so nothing is linked into them or to them.
-- a report whose figures are `du`'s: ``du_bytes_before``/``du_bytes_after`` equal
-  ``du -sxcB1 ROOT...``, and ``saved_bytes`` is what the filesystem got back (inodes whose last
-  link was replaced). Linking a file to an inode that lives on through a link outside the ROOTs
-  shares it here but frees nothing; such inodes are reported apart.
-- a temporary link left by a killed run (``*.hardlink-temporary`` with two or more links, or
-  the old ``.dedup-tmp-*``) is removed by the next run.
-- a file, or a whole ROOT, that vanishes while it runs is reported, never a traceback: the
-  report is printed and written, and the run exits 1 when hardlink stopped early or a ROOT
-  went. A link is counted only when the replaced path holds the kept inode afterwards (read
-  back, not taken from hardlink's summary), and an inode counts as freed only when one of its
-  paths was replaced: a file another process deleted is neither linked nor saved.
-- ``--dry-run`` predicts from the links hardlink prints, also for names that hold a newline
-  (hardlink prints them raw, so one link can span several lines).
-
-The hazard of hardlinked venvs: a write *into* a shared inode changes every venv that links it.
-uv and pip never do that (they unlink, then create; docs/host-mode.md). Tools that write into
-the file they are given do: ``strip`` (binutils copies over a file with several links instead of
-renaming), ``patchelf``, ``echo >>``, editors that write in place; and whatever changes an
-inode's metadata: ``chmod``, ``chown``, ``touch``, ``setfattr``. ``--read-only`` turns a write
-into "Permission denied" for other users; root ignores missing write bits, and the owner may
-still chmod or touch (which needs ownership, not write bits).
+N venvs that carry the same torch and CUDA libraries then cost about one. util-linux
+``hardlink`` finds and links; this script adds what it does not guarantee: one filesystem, the
+excludes, the bytecode rule, ``--read-only`` and a report in ``du``'s terms. See
+docs/host-mode.md, sections "Deduplicating venvs" and "Hardlinked venvs and installers".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """What a set of directory trees holds, counted the way `du` counts it: the books of dedup.py.
 
-Why a module of its own: util-linux `hardlink` does the finding and linking (dedup.py),
-but it does not say what a run freed on the disk. Its own "Saved" figure, like the old
-dedup.py's, counts a duplicate as saved even when the inode it dropped lives on through a link
-from outside the trees (uv's cache, another project): `du` over everything then shows nothing
-freed. So dedup.py walks the trees itself before and after, and this module keeps one record
-per inode: its size, its blocks (st_blocks * 512, what `du -B1` adds), its link count and how
-many of its paths lie under the trees. An inode whose every path under the trees was replaced,
-and that had no link elsewhere, is freed; one with links elsewhere is only shared.
-
-The same walk finds what hardlink itself does not handle: directories of another filesystem
-(hardlink 2.38/2.39 have no --mount), temporary links a killed hardlink left, and whether any
-`.pyc` under the trees is timestamp-validated (dedup.py's bytecode rule).
-
-Run on its own (``python3 -m ep_image.build.dedup_tree ROOT...``) it prints those books for trees as
-they are now: what dedup.py's report would call ``du_bytes_before``, without changing anything.
+hardlink's own "Saved" counts an inode still linked from outside the trees as freed; this walk
+books each inode once (blocks, links, paths under the trees), so dedup.py reports what the disk
+got back. See docs/host-mode.md, section "Deduplicating venvs".
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Make one directory tree equal to another, writing only the entries that differ.
 
-Why: an image with several backends starts from the layer that holds every backend's venv
-skeleton (ep_image/build/make_venv.py --skeleton) and takes each finished venv from its own stage.
-Copying a whole venv would write its ~2 GB again into the new layer; writing only what the
-backend's stage changed keeps that layer to the backend's own files (tens of MB).
-
-What "equal" means, and what it guarantees (tests/test_tree_sync.py): afterwards ``target`` has
-exactly ``source``'s paths, each of the same type; regular files with the same size, mode and
-owner, and with the same mtime or the same bytes; symlinks with the same target; directories
-with the same mode. Entries only in ``target`` are removed. A regular file counts as unchanged
-when size, mode and owner match and either the mtime matches (rsync's quick check, which reads
-no bytes: a file both trees got from one lower layer; a file rewritten in place with its size
-and mtime kept, as ``touch -r`` can do, is not noticed, as rsync without ``--checksum`` would
-not notice it) or the bytes do (compared in full; such a file keeps its own mtime, as touching
-it would copy it into the new layer for a timestamp); anything else is rewritten, with the
-source's mtime, through a temporary file and a rename, so no path is ever half-written and a
-file hardlinked elsewhere (another skeleton) keeps its old content there. Files that share an
-inode in ``source`` and are written here share one in ``target``.
-
-Before it writes anything, the whole source is checked: an entry that is not a file,
-directory or symlink (a FIFO, socket or device), a file it cannot read or a directory it
-cannot list refuses the sync with every such path named, and ``target`` is left as it was,
-instead of being found partway with the entries before it already written.
-
-util-linux has no such tool, and rsync is an optional package (Debian: Priority optional; the
-image tests' minbase base image lacks it) that a base image need not have, hence this module;
-its rules are rsync's ``-a --delete`` without ``--checksum``, plus a byte comparison where rsync
-would rewrite a file whose mtime differs (rewriting it would copy it into the layer).
-
-Command line: ``python3 -m ep_image.build.tree_sync SOURCE TARGET`` (``--help``).
+The multi-backend image puts each finished venv onto its skeleton with it, so that layer holds
+only the backend's own files: rsync's ``-a --delete``, which a minimal base image lacks. Regular
+files count as equal with the same size, mode and owner, and with the same mtime or the same
+bytes (the mtime is rsync's quick check, which reads no bytes). See docs/image.md, section
+"Stages"; ``--help`` and tests/test_tree_sync.py hold the rest.
 """
 
 from __future__ import annotations

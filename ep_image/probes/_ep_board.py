@@ -1,16 +1,8 @@
 """A notice board in the job's key-value store: how each rank's backend process ended.
 
-Why this module exists: when a backend kills one rank (a segfault, SIGKILL, ``os._exit``) the
-other ranks block in a collective with it, and under torchrun the launcher then tears every
-rank down, rank 0 included, before any of them can say what happened. So each rank's
-supervisor (which holds no backend state and survives the crash) posts its backend process's
-end here, and rank 0's supervisor reads the board to write one table and one JSON report
-that names the rank that failed first.
-
-The store is the one the ranks rendezvous through: torchrun's agent store when torchrun
-launched the job (``TORCHELASTIC_USE_AGENT_STORE``), otherwise one that rank 0's supervisor
-serves on ``MASTER_ADDR:MASTER_PORT``; the backend processes join it as clients
-(``_ep_dist.connect_store``) and build their process groups on it.
+Each rank's supervisor posts its backend's end here, so rank 0 can still name the rank that
+failed first when a crash makes torchrun tear every rank down. The store is torchrun's agent
+store or one that rank 0's supervisor serves; see docs/probes.md, section "Backends".
 """
 
 from __future__ import annotations

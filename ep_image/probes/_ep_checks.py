@@ -1,13 +1,8 @@
 """The checks of check_ep that run the backend's kernels: dispatch+combine, backward, replay,
 scenarios, bandwidth.
 
-Why this module exists: these steps are where a backend that imports and builds its buffer
-can still be wrong - a token routed to the wrong rank, one lost token, a wrong gradient (of
-either operation, even where the other undoes it), a replay that differs, routing that only
-some inputs break (``_ep_scenarios``), a race that corrupts data only once calls come back to
-back, an output in another dtype or layout. Each compares the backend's output with what
-``_ep_reference`` derives from the inputs alone, token by token, and every call the probe
-makes (the timed ones too, each with different activations) is checked.
+Each compares every call's output (the timed ones too) token by token with what
+``_ep_reference`` derives from the inputs alone; see docs/probes.md, section "Steps".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Where each rank runs and how the ranks talk: placement, process groups, agreement.
 
-Why this module exists: check_ep runs one process per rank (torchrun, or its own
-``--nproc-per-node``), and every rank must reach the same verdict. Placement decides which
-GPU a rank uses and whether ranks share one (``--ranks-per-gpu``: functional proof on fewer
-GPUs, never a link figure); the process groups follow from it (NCCL when each rank owns a
-GPU, gloo when ranks share one, since NCCL refuses two ranks on a GPU); and ``agree`` merges
-one step over all ranks through a separate gloo group that the backend never touches.
+Every rank must reach the same verdict: placement picks each rank's GPU (ranks sharing one use
+gloo, since NCCL refuses two ranks on a GPU), and ``agree`` merges a step over all ranks through
+a gloo group the backend never touches. See docs/probes.md, section "Where each rank runs".
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """What dispatch and combine *should* produce, computed in plain torch from the global routing.
 
-Why this module exists: a check that asks the backend under test for its own expected values
-proves nothing. Everything here is derived from the inputs alone - every rank's tokens and
-top-k routing, all-gathered - with simple tensor operations and no call into any backend, so
-the same expectations judge DeepEP v1, v2, HybridEP and the torch reference backend.
-
-How tokens are recognised after dispatch: the first three columns of each token carry its
-origin (source rank, token index // 256, token index % 256), integers that are exact in
-bf16 and fp32; the rest of the row is the payload. A received row therefore names the token
-it claims to be, and its payload is compared bit for bit with what that token's rank sent.
-
-Exact expectations (the approach of DeepEP's own tests): every payload element is +-2**j
-(j in -1, 0, 1), every top-k weight a multiple of 1/4 and the stand-in expert ``e`` scales its
-tokens by ``1 + (e % 4) / 4``. Each expert output is then the payload times an integer
-multiple of 1/16 below 16, so it is exact in bf16, fp16 and fp32, and so is every partial sum
-of a token's contributions (they share the payload element and add integers below 256), in
-any order. Combined tokens and gradients are therefore compared with the reference exactly
-(bound 0) whenever top-k <= 36; beyond that the weights cannot stay exact and a per-dtype bound
-applies (5e-6 fp32, 1e-2 bf16/fp16). The identity columns are not part of the expert output
-(it writes zeros there), so they need not survive a sum. Rows are generated on the CPU from
-the seed, so the same seed gives the same inputs on any device.
-
-Non-finite values are wrong values: a row holding NaN or inf counts as differing by inf.
+Derived from every rank's inputs alone, never from a backend, so one set of expectations judges
+every backend; inputs are chosen so the right answer is exact in bf16. See docs/probes.md,
+section "Steps" (the identity columns and "Exact expectations").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Run check_ep's scenarios (``_ep_scenarios``) on this rank and check every output.
 
-Why this module exists: a scenario is only worth its name if every rank checks every
-operation it drives against the reference, and if no check can desynchronise the ranks. So
-the runner calls the backend in the same order on every rank whatever a check finds
-(problems are recorded, never raised), leaves a breadcrumb before each call (a crash or hang
-is reported with the scenario, layout and operation), and stops at the first call that
-raises, since the backend's state is then unknown.
+Every rank calls the backend in the same order whatever a check finds (problems are recorded,
+never raised, so the ranks stay in step), leaves a breadcrumb before each call and stops at the
+first call that raises. See docs/probes.md, section "Scenarios".
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
 """check_ep's scenarios: the routing training produces, not only one uniform layout.
 
-Why this module exists: the layer-shape steps drive one routing - uniform random top-k, every
-rank holding the same tokens, no dropped slot, the same tokens on every call. A backend that
-is right only for that input passes them. Training presents more, step after step, and each
-scenario here is one class of it, small where the shape does not matter (the layer's hidden
-size, experts and top-k, at most 512 tokens per rank, so no backend compiles or allocates
-anything new for it):
-
-  changing  routing that changes on every call: 4 layouts dispatched and combined in turn,
-            then the backward of each in reverse order, as an MoE model's layers keep their
-            handles through the backward pass (nothing may be kept from the last layout)
-  skewed    imbalanced routing: one expert receives every token, a few others most of them,
-            several experts and (with 2+ ranks) the whole last rank none
-  dropped   top-k slots with index -1 (dropped or padded experts): a quarter of all slots, and
-            every eighth token routed to no expert at all
-  uneven    ranks holding different numbers of tokens, one of them 0 (the last micro-batch,
-            packed sequences)
-  reuse     new activations through an existing layout: two rounds of cached dispatch and
-            combine on one handle, each with different values
-
-Every scenario runs, for each layout, dispatch and combine and then, through the same
-handle, the two backward operations on their own: the gradient the experts get
-(``combine_backward``, a cached dispatch of the output gradient) and the gradient the tokens
-get (``dispatch_backward``, a combine of the experts' gradients). Each output is checked on
-every rank against ``_ep_reference`` (counts, token ids, payload bits, routing, exact sums)
-and against the output contract (the input's dtype, ``[rows, hidden]``, contiguous, same
-device); after the scenario's later calls, what dispatch and combine returned must still hold
-the same values (a layer keeps them for its backward pass). Inputs come from a seed per
-scenario (recorded in the report), the rank and the layout, so a failure reproduces with the
-same ``--seed``.
-
-This module is the table (importable without torch, so the command line can name the
-scenarios before torch loads); ``_ep_scenario_run`` runs them.
+The table of scenarios (changing, skewed, dropped, uneven, reuse) and their seeds; it imports
+without torch so the command line can name them before torch loads, and ``_ep_scenario_run``
+runs them. See docs/probes.md, section "Scenarios".
 """
 
 from __future__ import annotations

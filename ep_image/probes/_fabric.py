@@ -1,23 +1,8 @@
 """What this node offers internode expert parallelism, read from sysfs, procfs and /dev.
 
-Why this module exists: every internode EP backend moves tokens between nodes over RDMA,
-with the GPU's memory registered directly with the NIC (GPUDirect RDMA) and, for DeepEP v1's
-NVSHMEM IBGDA and HybridEP's DOCA path, with the GPU itself ringing the NIC's doorbell. When
-any link of that chain is missing, the backends fail late and obscurely (an NVSHMEM "init
-failed for transport: IBGDA", a device assert, a silent fall-back to TCP). Everything needed
-to tell in advance is in files the kernel exposes:
-
-  /sys/class/infiniband/<dev>/ports/<n>/{state,phys_state,link_layer,rate}   NICs and links
-  /sys/class/infiniband_verbs/uverbs<k>/ibdev and /dev/infiniband/uverbs<k>   verbs access
-  /sys/module/{nvidia_peermem,gdrdrv,nvidia}                                   kernel modules
-  /proc/driver/nvidia/{version,params}                  driver flavour and IBGDA settings
-  /proc/sys/kernel/osrelease                            kernel (dma-buf needs >= 5.12)
-  /sys/bus/pci/devices/<bdf>/{vendor,class,numa_node}   GPUs and the PCI tree (affinity)
-
-Every reader takes ``root`` (``/`` on a real node), so the same code reads a tree a test
-built in the real layout. Library look-ups (libibverbs, NCCL's net plugin) ask this
-process's loader paths instead: they describe the environment the probe runs in, not the
-tree. Nothing here raises for an absent file; absent is a fact (None, False, []).
+check_fabric's facts. Every reader takes ``root`` (``/`` on a node, a built tree in tests) and
+returns None, False or [] for an absent file instead of raising; library look-ups ask this
+process's loader paths. See docs/probes.md, section "check-fabric".
 """
 
 from __future__ import annotations

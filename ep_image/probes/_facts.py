@@ -1,12 +1,8 @@
 """Facts about the running environment that every probe reports, gathered without side effects.
 
-Why this module exists: "imports" is not "works", and when something does not work the first
-question is always *which* torch, NCCL, cuDNN, NVSHMEM and DeepEP build was loaded, and from
-where. These helpers answer that from package metadata, ``/proc/self/maps`` and small
-subprocesses, and never import ``deep_ep`` or Transformer Engine themselves (importing DeepEP
-v2 can abort the process; the probes decide when to take that risk). Every helper returns
-``None`` for "absent" instead of raising, so a manifest never fails because something is
-missing.
+Which torch, NCCL, cuDNN, NVSHMEM and DeepEP build was loaded, and from where, never importing
+``deep_ep`` or Transformer Engine (importing DeepEP v2 can abort the process); absent is
+``None``, never an exception. See docs/probes.md, section "check-env".
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Shared result model of the probes: step statuses, exit codes, the table and the JSON report.
 
-Why this module exists: ``check_ep``, ``check_te`` and ``check_env`` are read by people (a
-table on the terminal) and by CI (an exit code and a JSON file). All three must mean the same
-thing by "skipped" or "unusable", and the exit codes must match docs/architecture.md, so the
-mapping lives here once:
-
-====  =========================================================================
-code  meaning
-====  =========================================================================
-0     every step passed
-1     a check failed: the backend ran and produced wrong numbers
-2     bad usage: a flag is wrong (nothing was run)
-3     backend unusable: it is installed and imports, but fails at run time
-4     backend missing: the requested backend is not installed here
-5     this environment cannot run the probe (no GPU, unsupported world size):
-      skipped; ``--require`` turns it into 1
-====  =========================================================================
-
-When several steps end badly the most severe one decides: 4 > 3 > 1 > 5 > 0; merging the
-codes of several processes puts bad usage (2) above all, since nothing was checked then.
+check_ep, check_te and check_env must mean the same by each status and exit code, so the mapping
+lives here once (docs/probes.md, section "Exit codes"). Merging several processes' codes ranks
+bad usage (2) above all, since nothing was checked then.
 """
 
 from __future__ import annotations

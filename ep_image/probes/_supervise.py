@@ -1,23 +1,8 @@
 """Run a probe's work in a forked child and watch it: crashes, early exits and hangs.
 
-Why this module exists: EP backends are CUDA extensions, and their failures are not always
-Python exceptions. On a GPU machine HybridEP's buffer constructor ended the probe with
-SIGSEGV, leaving no table and no JSON report. A backend can also call ``os._exit(0)`` in the
-middle of dispatch (a clean exit code, and no verdict at all), or spin forever in a kernel or
-a CPU wait while holding the GIL. A probe that dies or hangs with the thing it probes
-answers nothing. So the work runs in a forked child and the parent, which holds no CUDA
-state, watches it:
-
-- the child leaves breadcrumbs (a small JSON file: finished steps, the step in progress and
-  when it started) and, last of all, its verdict; an exit without a verdict is a failure,
-  whatever the exit status;
-- a step that runs past the deadline is a hang: the parent has the child dump every thread's
-  Python stack (faulthandler on SIGUSR1), then kills it;
-- another rank's failure, posted on the job's board, stops this rank's child too, so no rank
-  waits out a collective timeout on a dead peer;
-- SIGTERM (torchrun tearing the job down) stops the child and still yields an outcome.
-
-The child dies with its parent (Linux ``PR_SET_PDEATHSIG``).
+A backend can segfault, ``os._exit`` mid-dispatch or hang holding the GIL; the parent, which
+holds no CUDA state, turns each of these (and a peer's failure on the job's board, or SIGTERM)
+into a verdict. See docs/probes.md, section "Backends".
 """
 
 from __future__ import annotations

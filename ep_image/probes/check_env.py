@@ -1,15 +1,9 @@
 #!/usr/bin/env python3
 """check_env: one manifest of what this environment holds, for bug reports and image records.
 
-Why this probe exists: every EP or TE failure report starts with "which versions?" - of
-torch and its CUDA, Transformer Engine, the cuDNN TE was built against and the one actually
-loaded, NCCL, NVSHMEM, the EP backend and the git commit it was built from, the GPU and its
-driver. This probe collects all of them in one table and one JSON file. It runs anywhere
-(image builds without a GPU, CPU test machines): anything absent is reported as null and
-never makes it fail. It never imports ``deep_ep`` or Transformer Engine (importing DeepEP v2
-can abort the process); torch is imported to ask it what it loaded.
-
-Exit codes: 0 manifest written, 2 bad usage.
+Every EP or TE failure report starts with "which versions?"; this probe answers in one table and
+one JSON file, anywhere, without importing ``deep_ep`` or Transformer Engine. See docs/probes.md,
+section "check-env".
 """
 
 from __future__ import annotations

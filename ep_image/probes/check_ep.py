@@ -1,29 +1,9 @@
 #!/usr/bin/env python3
 """check_ep: prove that an expert-parallel (EP) backend works, not just that it imports.
 
-Why this probe exists: an image can import DeepEP and still fault at its first dispatch, route
-tokens differently on an activation-checkpoint replay, or run at a fraction of the expected
-bandwidth. This probe drives the backend the way an MoE layer does, on the real process
-group, and checks every result against a reference computed independently in plain torch:
-
-  import            which distribution provides ``deep_ep``, its version, commit, build info
-  prerequisites     GPU placement, CUDA home + nvcc (JIT backends), NCCL, NVSHMEM, world size
-  buffer            the backend's buffer, sized from --tokens/--hidden/--experts/--topk
-  dispatch_combine  tokens reach the right ranks and experts, payloads intact, combine
-                    returns the top-k weighted sum for every token
-  backward          gradient through dispatch and combine equals the analytic one
-  replay            repeated dispatch of the same routing returns the same tokens and bits
-  scenarios         the routing training produces (_ep_scenarios): changing, skewed and
-                    dropped routing, ranks with different token counts, new activations
-                    through a layout; every operation and its output contract checked
-  bandwidth         dispatch and combine GB/s after warm-up (every call with new activations,
-                    every call checked), beside a device copy's GB/s
-
-Run it as a plain process (one rank), under ``torchrun --nproc-per-node N``, or with
-``--nproc-per-node N`` to let the probe start N local ranks through torchrun's launcher (its
-exit code then survives: torchrun turns every failure into 1). The modules beside it hold the
-parts: placement and agreement (_ep_dist), the steps (_ep_steps, _ep_checks), supervision of
-the backend process (_supervise, _ep_board), the report (_ep_output). See docs/probes.md.
+Drives the backend as an MoE layer does, on the real process group, and checks every result
+against a reference computed in plain torch; the ``_ep_*`` modules beside it hold the parts.
+See docs/probes.md, section "check-ep".
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 #!/usr/bin/env python3
 """check_fabric: can this node take part in internode expert parallelism, and if not, why?
 
-Why this probe exists: past one NVLink domain every EP backend sends tokens over RDMA, and
-each missing link of the chain fails late and obscurely: an NVSHMEM "init failed for
-transport: IBGDA", a device assert in DeepEP's internode kernels, NCCL quietly falling back
-to TCP sockets. Everything needed to know in advance is readable without a GPU job, so this
-probe reads it, judges each link and names the fix:
-
-  rdma_devices    RDMA NICs under /sys/class/infiniband, each port's state, physical state,
-                  link layer (InfiniBand or Ethernet = RoCE) and rate
-  verbs           user-space verbs: libibverbs.so.1, the mlx5 provider, /dev/infiniband
-                  nodes (a container must be given them)
-  gpudirect_rdma  NIC access to GPU memory: nvidia-peermem loaded, or dma-buf (kernel >= 5.12
-                  and the NVIDIA open kernel modules)
-  ibgda           GPU-initiated RDMA (DeepEP v1's NVSHMEM IBGDA, HybridEP's DOCA path): the
-                  driver's EnableStreamMemOPs=1 and PeerMappingOverride=1, or gdrdrv; the
-                  NVSHMEM transports shipped and the NVSHMEM_* settings
-  nccl_net        how NCCL (every backend's process group, DeepEP v2's GIN) reaches the
-                  network: NCCL_NET, NCCL_IB_HCA against the devices, libnccl-net plugins
-  backend_build   whether the installed EP backend was built with its internode path
-                  (DeepEP v1 linked to NVSHMEM, HybridEP built multi-node, NCCL >= 2.30.4
-                  for DeepEP v2), read from its files without importing it
-  affinity        each GPU's nearest NIC on the PCI tree (PIX/PXB best, SYS worst)
-
-Exit codes as the other probes (docs/probes.md): 0 ready, 1 a link is broken (the fix is
-printed), 2 bad usage, 5 internode EP cannot run here (no RDMA device, no NVIDIA driver;
---require turns it into 1). It needs neither torch nor a GPU.
+Reads each link internode EP needs (RDMA ports, verbs, GPUDirect RDMA, IBGDA, NCCL's network,
+the backend's build, GPU-NIC affinity) without torch or a GPU, so a broken one is named with its
+fix before a backend fails late and obscurely. See docs/probes.md, section "check-fabric".
 """
 
 from __future__ import annotations

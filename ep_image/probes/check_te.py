@@ -1,22 +1,9 @@
 #!/usr/bin/env python3
 """check_te: prove that Transformer Engine (TE) works here, fused attention backward included.
 
-Why this probe exists: a prebuilt TE wheel imported fine and then, in fused-attention
-*backward*, asked the loaded cuDNN for a descriptor that cuDNN did not have. Importing TE
-proves nothing about that. This probe compares the cuDNN TE was built against (recorded by
-ep_image/build/build_te.py in te-build.json) with the cuDNN the process actually loaded, then runs
-fused attention forward and backward and a TE Linear forward and backward on the GPU, each
-checked against plain torch in fp32:
-
-  import           transformer_engine and transformer_engine.pytorch, version, location
-  cudnn            built-against version (te-build.json) vs loaded (cudnnGetVersion and the
-                   libcudnn path in /proc/self/maps); a mismatch fails, naming both
-  fused_attention  DotProductAttention, fused backend only, bf16, causal: output and
-                   dQ/dK/dV vs F.scaled_dot_product_attention in fp32
-  linear           te.Linear bf16: output and dX/dW/db vs F.linear in fp32
-
-Exit codes as check_ep (docs/probes.md): 0 passed, 1 wrong numbers or cuDNN mismatch,
-2 bad usage, 3 TE imports but fails at run time, 4 TE missing, 5 cannot run here (no GPU).
+Importing TE proves nothing about the cuDNN it meets at run time: this probe compares the cuDNN
+TE was built against with the one loaded, then checks fused attention and ``te.Linear``, forward
+and backward, against plain torch in fp32. See docs/probes.md, section "check-te".
 """
 
 from __future__ import annotations
