@@ -1,19 +1,10 @@
-"""The Dockerfile's per-backend stages, rendered from the backend registry.
-
-Why generated: the image needs one stage per backend (its venv, completed from the shared
-``venvs-common`` skeletons, independently of EP) and one assembling stage per EP value: for one
-backend, its venv's own stage plus the image's files (an EP switch reuses the venv's layers as
-they are); for several, ``venvs-common`` plus what each backend's stage added. Builders cannot
-loop, and buildah 1.28 cannot pick stages by a computed name (no ``${EP/,/-}``, no
-``COPY --from=${ARG}``), so the Dockerfile spells every stage out, and ``final`` picks one with
-``FROM image-${EP}``: a stage that ``final`` does not reach is never built, by BuildKit, buildah
-or podman. Writing those stages by hand would copy the registry; instead this module renders
-them between two marker lines of docker/Dockerfile, and a test fails when the file and the
-registry disagree.
+"""The Dockerfile's per-backend stages, rendered from the backend registry between two marker
+lines (a test fails when file and registry disagree): one ``ep-<backend>`` stage per backend and
+one ``image-<EP>`` stage per EP value (each backend, and ``all``), so the file grows linearly
+with the backends. Why generated and why per EP value: docs/image.md, "Stages".
 
     python -m ep_image.dockerfile            # print the generated block
     python -m ep_image.dockerfile --write    # rewrite it in docker/Dockerfile
-    python -m ep_image.dockerfile --check    # exit 1 if docker/Dockerfile is stale
 """
 
 from __future__ import annotations
@@ -63,7 +54,7 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
 def image_stage(value: str, names: list[str]) -> list[str]:
     """``files-<EP>`` and ``image-<EP>``: the selected venvs made usable (active backend, cuDNN
     order, image.json). One backend: FROM its stage, the venv in place, so changing EP to it
-    costs only small layers. Several: FROM venvs-common, each skeleton made equal to its
+    costs only small layers. all: FROM venvs-common, each skeleton made equal to its
     stage's venv (ep_image.build.tree_sync writes only the backend's own files), the unselected
     skeletons removed: the shared files stay in venvs-common's layer, hardlinked.
 
@@ -108,8 +99,8 @@ def render() -> str:
     for spec in backends.SPECS:
         out += [*backend_stage(spec), ""]
     out += [
-        "# ---- image-<EP>: the venvs EP selects. One backend: its venv's stage as it is. Several:",
-        "# venvs-common, plus what each selected backend's stage added to its skeleton.",
+        "# ---- image-<EP>: the venvs EP selects. One backend: its venv's stage as it is. all:",
+        "# venvs-common, plus what each backend's stage added to its skeleton.",
     ]
     for value, names in backends.image_ep_values():
         out += [*image_stage(value, names), ""]

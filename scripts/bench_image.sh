@@ -36,25 +36,25 @@ bud() {  # bud LABEL ARGS...: one timed build
 }
 # Cold EP=all: venvs-common (every backend's skeleton), the three backend stages, one invocation
 # each (bounds the vfs disk peak), then the image.
-# The backends and the EP values come from the registry: the default alone, then the first two.
+# The backends and the EP values come from the registry: the default alone, then another one.
 mapfile -t names < <(python3 -m ep_image.backends --names)
 default=$(python3 -m ep_image.backends --default)
-pair=$(python3 -c 'import sys; print("-".join(sys.argv[1:3]))' "${names[@]}")
+other=$(python3 -c 'import sys; print(next(n for n in sys.argv[2:] if n != sys.argv[1]))' "$default" "${names[@]}")
 bud cold-venvs-common --build-arg EP=all --target venvs-common -t bench:venvs-common
 for t in "${names[@]/#/ep-}"; do bud "cold-$t" --build-arg EP=all --target "$t" -t "bench:$t"; done
 bud cold-all --build-arg EP=all -t bench:all
 bud "switch-$default" --build-arg EP="$default" -t "bench:$default"
-bud "switch-$pair" --build-arg EP="$pair" -t "bench:$pair"
+bud "switch-$other" --build-arg EP="$other" -t "bench:$other"
 grep -c "Using cache" "$store"/switch-*.log
 grep -h "STEP 1/.*AS " "$store/switch-$default.log" | sed 's/.* AS /visited: /'
-python3 - "$store" "$default" "$pair" "$driver" <<'PY'
+python3 - "$store" "$default" "$other" "$driver" <<'PY'
 import sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from _image_storage import image_bytes  # the image tests' reader of the storage's records
 root, driver = Path(sys.argv[1]) / "root", sys.argv[4]
-default, pair = sys.argv[2:4]
-sizes = {t: image_bytes(root, driver, t) for t in ("bench:all", f"bench:{default}", f"bench:{pair}")}
+default, other = sys.argv[2:4]
+sizes = {t: image_bytes(root, driver, t) for t in ("bench:all", f"bench:{default}", f"bench:{other}")}
 for t, s in sizes.items():
     print(f"SIZE {t} {s} bytes = {s / 1e9:.3f} GB ({s / sizes[f'bench:{default}']:.4f}x {default})")
 PY

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import itertools
 import json
 import pkgutil
 import re
@@ -194,21 +193,30 @@ def install_hint(name: str) -> str:
 # --- selections: EP and the active backend -------------------------------------------------------
 
 
+#: Why the image takes one backend or all of them, for messages: a stage per subset would grow
+#: as 2^n - 1 with the backends; host mode builds any subset.
+IMAGE_EP_RULE = (
+    "the image holds one backend (EP=<backend>) or every backend (EP=all); "
+    "for another set, build EP=all (each extra backend adds only its own distribution) "
+    "or use host mode, which builds any set"
+)
+
+
 def ep_value(backends: Iterable[str]) -> str:
-    """The image's EP value (and stage suffix) for a selection: ``all``, or names joined by ``-``
-    in registry order."""
+    """The image's EP value (and stage suffix) for a selection: the backend's name, or ``all``;
+    any other set is not an image (UnknownBackendError naming IMAGE_EP_RULE)."""
     selected = expand_backends(backends)
-    return ALL if selected == list(BACKEND_NAMES) else "-".join(selected)
+    if selected == list(BACKEND_NAMES):
+        return ALL
+    if len(selected) == 1:
+        return selected[0]
+    raise UnknownBackendError(f"{', '.join(selected)}: {IMAGE_EP_RULE}")
 
 
 def image_ep_values() -> list[tuple[str, list[str]]]:
     """Every EP value the image accepts, with the backends each selects: each backend alone,
-    each larger subset joined by ``-`` in registry order, and ``all`` for every backend."""
-    values = []
-    for size in range(1, len(BACKEND_NAMES) + 1):
-        for combo in itertools.combinations(BACKEND_NAMES, size):
-            values.append((ep_value(combo), list(combo)))
-    return values
+    then ``all``. Linear in the backends, as are the Dockerfile's stages."""
+    return [*((name, [name]) for name in BACKEND_NAMES), (ALL, list(BACKEND_NAMES))]
 
 
 def resolve_active(selected: Iterable[str], requested: str = "auto") -> str:
