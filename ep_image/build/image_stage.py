@@ -1,26 +1,10 @@
 #!/usr/bin/env python3
-"""The image's own steps: put the selected venvs together, then make the image usable.
+"""The image's own steps, after make_venv built each backend's venv in its ``ep-<backend>`` stage.
 
-Why: the venvs are built by make_venv.py in stages of their own (``ep-<backend>``), the
-same way host mode builds them. What is left is specific to the image, and runs here:
-
-``assemble [--active EP_ACTIVE] BACKEND...`` (stage ``image-<EP>``), in one RUN so that one
-layer holds it all. Several backends: the stage starts from ``venvs-common``, whose layer holds
-every backend's venv skeleton (all but the backend's own distribution, hardlinked across them);
-each selected venv is made equal to the finished one in its stage (bind-mounted at
-``/mnt/ep-<backend>``) by tree_sync.py, which writes only what that stage changed (the
-backend's distribution, tens of MB); the skeletons EP does not select are removed. Then
-dedup.py links what is still identical across them, in this layer. With ``--in-place``
-(one backend, whose stage the image starts from) the venv is already there: only the other
-skeletons go, so an EP switch to one backend reuses that venv's layers. Then make one
-active (``/opt/venvs/active``, through scripts/use-ep as host mode does; ``auto`` is the
-registry's rule); put the venv's cuDNN ahead of the base image's (ep_image/build/stage_cudnn.py);
-write ``/opt/venvs/image.json``.
-
-``manifest`` (stage ``final``): ``/opt/venvs/env-manifest.json`` from ep_image/probes/check_env.py.
-
-The set of backends is decided once, by the stage the Dockerfile's ``FROM image-${EP}`` picks,
-whose RUN names them; EP itself is never parsed here (image.json records its canonical value).
+``assemble`` (stage ``image-<EP>``, one RUN, one layer): the selected venvs onto their skeletons
+(tree_sync writes only what each stage added), the other skeletons removed, dedup, the active
+backend, the venv's cuDNN first, ``image.json``. ``manifest`` (stage ``final``): check-env's
+``env-manifest.json``. The stages and why: docs/image.md, "Stages".
 """
 
 from __future__ import annotations
