@@ -10,10 +10,13 @@ from __future__ import annotations
 import base64
 import filecmp
 import hashlib
+import json
 import os
 import shutil
 import stat
 import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -146,3 +149,24 @@ def tree_differences(left: Path, right: Path) -> list[str]:
         ):
             differ.append(rel)
     return differ
+
+
+def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m ep_image.build.dedup ARGS`` as a user runs it."""
+    cmd = [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def dedup_json(tmp: Path, *roots: Path, extra: tuple[str, ...] = ()) -> dict:
+    """A dedup run that must pass; its ``--json`` report."""
+    report = tmp / f"report-{time.monotonic_ns()}.json"
+    proc = run_dedup(*extra, "--json", report, *roots)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(report.read_text())
+
+
+def du_total(*roots: Path) -> int:
+    """`du -sxcB1`'s total: disk bytes of every inode under ``roots``, each counted once."""
+    out = subprocess.run(["du", "-sxcB1", *map(str, roots)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.splitlines()[-1].split()[0])

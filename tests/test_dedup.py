@@ -16,7 +16,6 @@ import os
 import py_compile
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,9 +27,12 @@ from _venv_helpers import (
     apparent_bytes,
     build_wheel,
     copy_env,
+    dedup_json,
+    du_total,
     inodes,
     install,
     make_uv_venv,
+    run_dedup,
     site_packages,
     snapshot,
     uv,
@@ -40,25 +42,6 @@ from ep_image.build import dedup, dedup_tree
 
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534
-
-
-def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-
-
-def dedup_json(tmp: Path, *roots: Path, extra: tuple[str, ...] = ()) -> dict:
-    report = tmp / f"report-{time.monotonic_ns()}.json"
-    proc = run_dedup(*extra, "--json", report, *roots)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(report.read_text())
-
-
-def du_total(*roots: Path) -> int:
-    """`du -sxcB1`'s total: disk bytes of every inode under ``roots``, each counted once."""
-    out = subprocess.run(["du", "-sxcB1", *map(str, roots)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.splitlines()[-1].split()[0])
 
 
 @pytest.fixture

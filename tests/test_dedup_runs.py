@@ -24,29 +24,21 @@ import time
 from pathlib import Path
 
 import pytest
-from _venv_helpers import PYCACHE, ROOT, inodes, make_uv_venv, snapshot
+from _venv_helpers import (
+    PYCACHE,
+    ROOT,
+    dedup_json,
+    du_total,
+    inodes,
+    make_uv_venv,
+    run_dedup,
+    snapshot,
+)
 
 PACKAGES = ("six==1.17.0", "packaging==26.4")
 TRACEBACK = "Traceback"
 JOURNAL = ".dedup-read-only-modes.json"  # docs/host-mode.md names it
 NOBODY = 65534
-
-
-def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-
-
-def dedup_json(tmp: Path, *roots: Path, extra: tuple[str, ...] = ()) -> dict:
-    report = tmp / f"report-{time.monotonic_ns()}.json"
-    proc = run_dedup(*extra, "--json", report, *roots)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(report.read_text())
-
-
-def du_total(*roots: Path) -> int:
-    out = subprocess.run(["du", "-sxcB1", *map(str, roots)], capture_output=True, text=True)
-    return int(out.stdout.splitlines()[-1].split()[0])
 
 
 def modes(root: Path) -> dict[str, int]:

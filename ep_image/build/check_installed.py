@@ -9,7 +9,7 @@ trace mode, as `ldd` does: ep_image/ld_trace.py), or one that needs symbols thos
 not export, e.g. built against another torch (bound by the loader: ep_image/abi.py). It never
 imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
 
-    check-installed --venv /opt/venvs/deepep_v2 --backend deepep_v2 [--json PATH]
+    check-installed --venv /opt/venvs/BACKEND --backend BACKEND [--json PATH]
 """
 
 from __future__ import annotations

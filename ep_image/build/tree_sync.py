@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         epilog=(
             "Exit codes: 0 equal now; 1 refused or failed (the message names the path and the "
-            "fix); 2 bad usage. Example: python3 -m ep_image.build.tree_sync /mnt/ep-deepep_v2/"
-            "deepep_v2 /opt/venvs/deepep_v2"
+            "fix); 2 bad usage. Example: python3 -m ep_image.build.tree_sync "
+            "/mnt/ep-BACKEND/BACKEND /opt/venvs/BACKEND"
         ),
     )
     parser.add_argument("source", type=Path, metavar="SOURCE", help="the tree to copy")
