@@ -63,7 +63,7 @@ def test_skip_reasons_are_shown_or_the_readme_says_how() -> None:
 
 
 def test_the_cache_the_tests_leave_is_named_with_how_to_remove_it() -> None:
-    source = (ROOT / "tests" / "test_image_build.py").read_text()
+    source = (ROOT / "tests" / "_buildah.py").read_text()
     default = re.search(r'"EP_IMAGE_TEST_CACHE", "([^"]+)"', source)
     assert default, "the image tests' cache default moved"
     section = " ".join(fresh_machine().split())
