@@ -203,18 +203,21 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
 
 
 def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
-    """One code path: build_host.sh and the image's ep-<backend> stages both run make_venv.py
-    (the image with --complete, whose sync is host mode's: test_skeleton_then_complete_...),
-    and the NVSHMEM set-up lives only in ep_image/nvshmem.py, which make_venv calls."""
+    """One code path: build_host.sh (ep_image/build/host.py) and the image's ep-<backend> stages
+    both run make_venv.py (the image with --complete, whose sync is host mode's:
+    test_skeleton_then_complete_...), and the NVSHMEM set-up lives only in ep_image/nvshmem.py,
+    which make_venv's backend sync calls."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
     stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
     assert "python3 -m ep_image.build.make_venv --complete --backend hybridep" in stage
-    assert "ep_image.build.make_venv" in (SCRIPTS / "build_host.sh").read_text()
-    assert (
-        "nvshmem.build_environment(" in (ROOT / "ep_image" / "build" / "make_venv.py").read_text()
-    )
-    for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh"]:
+    assert "-m ep_image.build.host" in (SCRIPTS / "build_host.sh").read_text()
+    host = ROOT / "ep_image" / "build" / "host.py"
+    assert '"ep_image.build.make_venv"' in host.read_text()
+    build = ROOT / "ep_image" / "build"
+    assert "nvshmem.build_environment(" in (build / "backend_sync.py").read_text()
+    assert "sync_backend(" in (build / "make_venv.py").read_text()
+    for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh", host]:
         if path.is_file():
             assert "NVSHMEM_DIR" not in path.read_text(), f"{path} has its own NVSHMEM set-up"
 
@@ -331,6 +334,80 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     keys = sorted(p.name for p in (tmp_path / "uv-cache").glob(".ep-build-key-*"))
     assert keys == [".ep-build-key-deep-ep-deepep_v1.json", ".ep-build-key-deep-ep-hybridep.json"]
     assert "its cached builds dropped" not in proc.stdout
+
+
+def host_env(**extra: str) -> dict[str, str]:
+    """This environment for host mode: this Python, no EP_PREFIX/EP_BACKENDS unless given."""
+    env = {k: v for k, v in os.environ.items() if k not in ("EP_PREFIX", "EP_BACKENDS")}
+    return {**env, "PYTHON": sys.executable, **extra}
+
+
+def build_host(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPTS / "build_host.sh"), *map(str, args)], capture_output=True,
+                          text=True, env=env or host_env(), timeout=300)  # fmt: skip
+
+
+def test_build_host_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
+    """Each usage error of build_host.sh (ep_image/build/host.py behind it) is one line naming
+    the argument, exit 2, before anything is made."""
+    prefix = tmp_path / "venvs"
+    cases = [
+        ((), "build_host.sh: --prefix DIR (or EP_PREFIX) is required"),
+        (("--prefix",), "build_host.sh: --prefix needs DIR"),
+        (("--prefix", prefix, "--backends"), "build_host.sh: --backends needs LIST"),
+        (("--prefix", prefix, "--te-wheel"), "build_host.sh: --te-wheel needs PATH"),
+        (("--prefix", prefix, "--activate"), "build_host.sh: --activate needs BACKEND"),
+        (("--prefix", prefix, "--bogus"), "build_host.sh: unknown argument --bogus"),
+        (("--prefix", prefix, "stray"), "build_host.sh: unknown argument stray"),
+        (("--pre", prefix), "build_host.sh: unknown argument --pre"),  # no abbreviations
+    ]
+    for args, says in cases:
+        proc = build_host(*args)
+        assert proc.returncode == 2, (args, proc.stdout + proc.stderr)
+        assert proc.stderr.splitlines()[0] == says, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+        if "unknown" in says:  # the usage follows, as the shell script printed it
+            assert "usage: build_host.sh --prefix DIR" in proc.stderr
+    assert not prefix.exists()
+
+
+def test_build_host_help_and_the_module_behind_it(tmp_path: Path) -> None:
+    """--help documents every flag and the exit codes; `python -m ep_image.build.host` (the
+    ep-host entry point) is the same command, with EP_PREFIX and EP_BACKENDS as defaults."""
+    proc = build_host("--help")
+    assert proc.returncode == 0, proc.stderr
+    flags = ["--prefix DIR", "--backends LIST", "--te-wheel PATH", "--python PY", "--project DIR"]
+    for text in (*flags, "--no-read-only", "--activate BACKEND", "Exit codes: 0"):
+        assert text in proc.stdout, text
+    host = [sys.executable, "-m", "ep_image.build.host"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = subprocess.run(host, capture_output=True, text=True,
+                          env=host_env(EP_PREFIX=str(a_file)))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"build_host.sh: cannot create --prefix {a_file}" in proc.stderr
+    # An unknown backend is make_venv's usage error (exit 2): passed on, after the summary.
+    prefix = tmp_path / "venvs"
+    proc = subprocess.run(host, capture_output=True, text=True,
+                          env=host_env(EP_PREFIX=str(prefix), EP_BACKENDS="deepep_v3"))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unknown EP backend 'deepep_v3'" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"build_host.sh: backends under {prefix}: \n" in proc.stdout
+    assert f"EP_PREFIX={prefix} {SCRIPTS / 'use-ep'} BACKEND" in proc.stdout
+    assert list(prefix.iterdir()) == []
+
+
+def test_build_host_without_a_python_to_run_it_says_how_to_get_one(tmp_path: Path) -> None:
+    """A PATH with neither python3 nor uv (and no $PYTHON): exit 1 naming the bootstrap."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname") or "/usr/bin/dirname")
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    proc = subprocess.run(["/bin/sh", str(SCRIPTS / "build_host.sh"), "--help"],
+                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "needs Python >= 3.11" in proc.stderr
+    assert "python3 -m ep_image.build.bootstrap" in proc.stderr
 
 
 def test_complete_needs_a_skeleton_of_this_lock_and_skip_list(tmp_path: Path) -> None:

@@ -115,25 +115,26 @@ def test_the_shared_gpu_job_runs_the_backends_that_can_share_a_gpu() -> None:
 
 
 # Where a backend name may appear: the registry itself, its tests, docs, the pins, the
-# Dockerfile's generated stages (checked against the registry) and the workflows' EP lists
-# (checked above).
+# Dockerfile's generated stages and default (checked against the registry) and the workflows'
+# EP lists (checked above); comments may name one as an example.
 ALLOWED = ("docs/", "tests/", "README.md", "pyproject.toml", "uv.lock", "ep_image/backends/")
 
 
-def test_backend_names_are_spelled_only_where_the_registry_reaches() -> None:
-    """`git grep -n deepep_v1` outside docs, tests, pins and the registry finds only the
-    Dockerfile's generated stages and the workflows' EP lists (both checked against the
-    registry). deepep_v1 is the canary: no file needs it as an example or a default."""
+@pytest.mark.parametrize("name", backends.BACKEND_EXTRAS)
+def test_backend_names_are_spelled_only_where_the_registry_reaches(name: str) -> None:
+    """`git grep -w NAME` outside docs, tests, pins and the registry finds only comments, the
+    Dockerfile's generated stages and default, and the workflows' EP lists (all checked
+    against the registry): code takes every backend from the registry."""
     found = subprocess.run(
-        ["git", "grep", "-n", "deepep_v1", "--", "."],
+        ["git", "grep", "-n", "-w", name, "--", "."],
         cwd=ROOT, capture_output=True, text=True, check=False,
     ).stdout.splitlines()  # fmt: skip
-    if not found:
+    if not found and name in backends.BACKEND_NAMES:
         pytest.skip("not a git checkout")
     offenders = []
     for line in found:
         path, _, text = line.split(":", 2)
-        if path.startswith(ALLOWED):
+        if path.startswith(ALLOWED) or text.lstrip().startswith("#"):
             continue
         if path == "docker/Dockerfile" and _is_generated_or_stage_name(text):
             continue
@@ -146,7 +147,15 @@ def test_backend_names_are_spelled_only_where_the_registry_reaches() -> None:
 def _is_generated_or_stage_name(text: str) -> bool:
     from ep_image import dockerfile
 
-    return text in dockerfile.render().splitlines() or bool(re.match(r"FROM \S+ AS ", text))
+    defaults = (
+        f"ARG EP={backends.DEFAULT_BACKEND}",
+        f"FROM image-${{EP:-{backends.DEFAULT_BACKEND}}}",
+    )
+    return (
+        text in dockerfile.render().splitlines()
+        or bool(re.match(r"FROM \S+ AS ", text))
+        or text.startswith(defaults)
+    )
 
 
 def test_a_variant_installs_its_backend_from_its_own_source() -> None:

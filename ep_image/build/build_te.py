@@ -1,36 +1,7 @@
 #!/usr/bin/env python3
-"""Source-build Transformer Engine (TE) against the cuDNN inside a uv venv.
+"""Source-build Transformer Engine (TE) against the cuDNN inside a uv venv, once per image or host.
 
-Why this exists: a prebuilt TE wheel imported fine and then, in fused-attention *backward*,
-asked the loaded cuDNN for a descriptor it did not have. TE must be compiled against the exact
-cuDNN that the lock installs (the ``nvidia-cudnn-cu13`` wheel inside the venv), not against the
-base image's copy, and the image must load that same cuDNN first at run time. This script:
-
-1. finds that cuDNN in the venv (``site-packages/nvidia/cudnn/{include,lib}``) and reads its
-   version from ``cudnn_version.h``;
-2. checks that the TE source tree holds what TE's CMake needs (its git submodules are missing
-   from plain snapshots) and, where only the cuDNN frontend headers are missing, points TE at the
-   ``nvidia-cudnn-frontend`` wheel the lock pins;
-3. builds the wheel with the venv's own Python and no build isolation (TE's torch extension must
-   compile against the venv's torch), with the environment variables TE's build reads
-   (``CUDNN_PATH``/``CUDNN_HOME``, ``NVTE_FRAMEWORK``, ``NVTE_CUDA_ARCHS``, ``MAX_JOBS``,
-   ``NVTE_BUILD_THREADS_PER_JOB``);
-4. writes ``te-build.json`` beside the wheel, so probes and the image can compare the cuDNN TE
-   was built against with the one that is loaded.
-
-``--dry-run`` prints the exact environment and command and exits 0. ``--skip REASON`` (or
-``--mode skip``) writes a ``te-build.json`` that records that TE was not built (CPU-only test
-images).
-
-Host mode and the image's ``te`` stage run this same command. Without ``--venv`` it makes a
-throwaway venv from the lock (``uv sync --frozen --extra moe --no-install-package
-transformer-engine``); without a TE checkout (``--source`` omitted, or ``--clone-unless-source``
-and a directory without setup.py, as the image's default TE_SOURCE) it clones the git URL and
-commit pyproject.toml pins, through any ``url.<mirror>.insteadOf`` of the git config. Both are
-deleted when the build ends.
-
-Only the standard library is used (plus ep_image, by path): this runs before anything else
-exists in an image.
+Why: a TE built against any other cuDNN imports fine and fails late, in fused-attention backward.
 """
 
 from __future__ import annotations
@@ -51,12 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT, tools
-from ep_image.project import PinError, VenvError, pinned_git, sha256_file, write_json
-from ep_image.project import site_packages as site_packages_of
+from ep_image.build import lock_sync
+from ep_image.build.te_wheels import TE_DISTRIBUTION, TE_RECORD
+from ep_image.build.uv_run import BuildError, tail
+from ep_image.build.venv_cudnn import Cudnn, CudnnError, dist_version, find_cudnn
+from ep_image.project import (
+    PinError,
+    VenvError,
+    pinned_git,
+    sha256_file,
+    site_packages,
+    write_json,
+)
 
-CUDNN_DIST = "nvidia-cudnn-cu13"
 FRONTEND_DIST = "nvidia-cudnn-frontend"
-TE_DIST = "transformer-engine"
 
 # What TE's setup.py / CMake import or run besides torch, which the venv already holds.
 # TE's own pyproject lists them as build requirements; with no build isolation they must be in
@@ -69,26 +48,9 @@ BUILD_REQUIREMENTS: tuple[str, ...] = (
     "wheel==0.45.1",
 )
 
-FIX_CUDNN = (
-    f"install it into the venv from the lock: `uv sync --frozen --extra moe "
-    f"--no-install-package transformer-engine` (the moe extra pins {CUDNN_DIST}), or "
-    f"`uv pip install --python VENV/bin/python {CUDNN_DIST}==<version in uv.lock>`"
-)
-
 
 class BuildTeError(RuntimeError):
     """A problem the user can fix; the message says how."""
-
-
-@dataclass(frozen=True)
-class Cudnn:
-    """The cuDNN a venv's nvidia-cudnn-cu13 wheel installed."""
-
-    root: Path
-    include: Path
-    lib: Path
-    version: str
-    dist_version: str
 
 
 @dataclass(frozen=True)
@@ -110,64 +72,6 @@ class SourceCheck:
 
 
 # --- venv discovery ----------------------------------------------------------------------------
-
-
-def site_packages(venv: Path) -> Path:
-    """The venv's only site-packages directory (lib/pythonX.Y/site-packages)."""
-    if not (venv / "pyvenv.cfg").is_file():
-        raise BuildTeError(
-            f"{venv} is not a virtual environment (no pyvenv.cfg). "
-            "Fix: pass --venv the directory `uv sync` created (e.g. .venv)."
-        )
-    try:
-        return site_packages_of(venv)
-    except VenvError as exc:
-        raise BuildTeError(
-            f"{exc} Fix: recreate the venv with one Python (`uv venv --python 3.12`)."
-        ) from None
-
-
-def dist_version(site: Path, dist: str) -> str | None:
-    """Version of an installed distribution, read from its .dist-info directory name."""
-    normalized = re.sub(r"[-_.]+", "_", dist).lower()
-    for info in site.glob("*.dist-info"):
-        name, _, version = info.name.removesuffix(".dist-info").rpartition("-")
-        if re.sub(r"[-_.]+", "_", name).lower() == normalized:
-            return version
-    return None
-
-
-def read_cudnn_version(header: Path) -> str:
-    """MAJOR.MINOR.PATCHLEVEL from cudnn_version.h's #defines."""
-    text = header.read_text(encoding="utf-8", errors="replace")
-    parts = []
-    for macro in ("CUDNN_MAJOR", "CUDNN_MINOR", "CUDNN_PATCHLEVEL"):
-        match = re.search(rf"^\s*#\s*define\s+{macro}\s+(\d+)\b", text, re.MULTILINE)
-        if match is None:
-            raise BuildTeError(
-                f"{header} defines no {macro}: not a cuDNN version header. "
-                f"Fix: reinstall {CUDNN_DIST} in the venv."
-            )
-        parts.append(match.group(1))
-    return ".".join(parts)
-
-
-def find_cudnn(venv: Path) -> Cudnn:
-    """Headers, libraries and version of the venv's nvidia-cudnn-cu13."""
-    site = site_packages(venv)
-    installed = dist_version(site, CUDNN_DIST)
-    if installed is None:
-        raise BuildTeError(f"{CUDNN_DIST} is not installed in {venv}. Fix: {FIX_CUDNN}.")
-    root = site / "nvidia" / "cudnn"
-    include, lib = root / "include", root / "lib"
-    header = include / "cudnn_version.h"
-    if not header.is_file() or not any(lib.glob("libcudnn.so*")):
-        raise BuildTeError(
-            f"{CUDNN_DIST} {installed} is registered in {venv} but {header} or "
-            f"{lib}/libcudnn.so* is missing (a partial install). Fix: reinstall it: "
-            f"`uv pip install --python {venv}/bin/python --reinstall {CUDNN_DIST}=={installed}`."
-        )
-    return Cudnn(root, include, lib, read_cudnn_version(header), installed)
 
 
 def find_frontend(venv: Path) -> Frontend | None:
@@ -271,7 +175,7 @@ def apply_links(source: Path, links: Mapping[str, Path]) -> None:
 def pinned_commit(project: Path) -> str | None:
     """The TE commit pinned in pyproject.toml [tool.uv.sources] (the one source of truth)."""
     try:
-        return pinned_git(project, TE_DIST)[1]
+        return pinned_git(project, TE_DISTRIBUTION)[1]
     except PinError:
         return None
 
@@ -382,7 +286,7 @@ def install_build_requirements(uv: str, venv: Path) -> None:
 
 def write_record(out: Path, record: Mapping[str, object]) -> Path:
     """Write te-build.json into OUT (atomically, world-readable)."""
-    return write_json(out / "te-build.json", record)
+    return write_json(out / TE_RECORD, record)
 
 
 def now() -> str:
@@ -400,16 +304,18 @@ def run_logged(cmd: Sequence[str], **kw: object) -> None:
 
 
 def make_build_venv(uv: str, venv: Path, project: Path) -> Path:
-    """The environment TE compiles against: the lock's ``moe`` extra without TE itself, exactly
-    as the backend venvs get it (no bytecode: it lives only for this build)."""
-    python = os.environ.get("UV_PYTHON")
-    run_logged([uv, "venv", *(["--python", python] if python else []), str(venv)])
-    env = {**os.environ, "UV_PROJECT_ENVIRONMENT": str(venv), "UV_COMPILE_BYTECODE": "0"}
-    run_logged(
-        [uv, "sync", "--frozen", "--no-install-project", "--project", str(project),
-         "--extra", "moe", "--no-install-package", TE_DIST],
-        env=env,
-    )  # fmt: skip
+    """The environment TE compiles against: the lock's ``moe`` extra without TE itself, made by
+    the same steps as the backend venvs (no bytecode: it lives only for this build)."""
+    try:
+        python = os.environ.get("UV_PYTHON")
+        lock_sync.create_venv(uv, venv, python, project, relocatable=False)
+        env = {**lock_sync.sync_environment(venv), "UV_COMPILE_BYTECODE": "0"}
+        lock_sync.sync(uv, venv, project, ["moe"], [TE_DISTRIBUTION], env=env)
+    except BuildError as exc:
+        raise BuildTeError(
+            f"making the build venv from {project / 'uv.lock'} failed (output above). Fix what "
+            f"uv's error names; it ends:\n{tail(str(exc))}"
+        ) from None
     return venv
 
 
@@ -420,7 +326,7 @@ def clone_pinned(project: Path, dest: Path) -> Path:
     ``gitconfig`` secret), so an air-gapped build clones from its mirror.
     """
     try:
-        url, rev = pinned_git(project, TE_DIST)
+        url, rev = pinned_git(project, TE_DISTRIBUTION)
     except PinError as exc:
         raise BuildTeError(str(exc)) from None
     print(f"build_te: cloning {url} at {rev} (pinned in pyproject.toml)", flush=True)
@@ -468,7 +374,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=(
             "Build a Transformer Engine wheel from source against the cuDNN installed in VENV "
-            "(its nvidia-cudnn-cu13 wheel) and record that cuDNN in OUT/te-build.json."
+            f"(its nvidia-cudnn-cu13 wheel) and record that cuDNN in OUT/{TE_RECORD}."
         ),
         epilog=(
             "example: python3 -m ep_image.build.build_te --venv .venv "
@@ -525,7 +431,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--skip",
         metavar="REASON",
-        help="build nothing; write te-build.json saying TE was skipped and why",
+        help=f"build nothing; write {TE_RECORD} saying TE was skipped and why",
     )
     args = parser.parse_args(argv)
     if args.mode == "skip" and args.skip is None:
@@ -673,6 +579,32 @@ def build(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Build TE against the exact cuDNN the lock installs (the venv's ``nvidia-cudnn-cu13``,
+    not the base image's copy; the image then loads that same cuDNN first, stage_cudnn.py):
+
+    1. find that cuDNN in the venv (``site-packages/nvidia/cudnn/{include,lib}``) and read its
+       version from ``cudnn_version.h`` (ep_image/build/venv_cudnn.py);
+    2. check that the TE source tree holds what TE's CMake needs (its git submodules are missing
+       from plain snapshots) and, where only the cuDNN frontend headers are missing, point TE at
+       the ``nvidia-cudnn-frontend`` wheel the lock pins;
+    3. build the wheel with the venv's own Python and no build isolation (TE's torch extension
+       must compile against the venv's torch), with the environment variables TE's build reads
+       (``CUDNN_PATH``/``CUDNN_HOME``, ``NVTE_FRAMEWORK``, ``NVTE_CUDA_ARCHS``, ``MAX_JOBS``,
+       ``NVTE_BUILD_THREADS_PER_JOB``);
+    4. write ``te-build.json`` beside the wheel, so probes and the image can compare the cuDNN
+       TE was built against with the one that is loaded.
+
+    ``--dry-run`` prints the exact environment and command and exits 0. ``--skip REASON`` (or
+    ``--mode skip``) writes a ``te-build.json`` that records that TE was not built (CPU-only
+    test images). Host mode and the image's ``te`` stage run this same command. Without
+    ``--venv`` it makes a throwaway venv from the lock (the ``moe`` extra without
+    transformer-engine, ep_image/build/lock_sync.py); without a TE checkout (``--source``
+    omitted, or ``--clone-unless-source`` and a directory without setup.py, as the image's
+    default TE_SOURCE) it clones the git URL and commit pyproject.toml pins, through any
+    ``url.<mirror>.insteadOf`` of the git config. Both are deleted when the build ends. Only
+    the standard library is used (plus ep_image): this runs before anything else exists in an
+    image. Exit codes: 0 built (or skipped, or a dry run); 1 an error that names its fix.
+    """
     args = parse_args(argv)
     try:
         if args.skip is not None:
@@ -688,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             planned = plan(args, venv, source)
             record = planned[2]
             wheel = build(args, venv, source, planned)
-    except (BuildTeError, tools.ToolError) as err:
+    except (BuildTeError, CudnnError, VenvError, tools.ToolError) as err:
         print(f"build_te: error: {err}", file=sys.stderr)
         return 1
     print(f"build_te: built {wheel} against cuDNN {record['cudnn_version']}")

@@ -1,23 +1,7 @@
 #!/usr/bin/env python3
 """Put the venv's cuDNN ahead of the base image's copy, and record both versions.
 
-Why: Transformer Engine is compiled against the cuDNN that uv installs into each venv
-(``nvidia-cudnn-cu13``, see ep_image/build/build_te.py). A CUDA "cudnn" base image carries its own,
-usually different, cuDNN in the linker's default path. If that one is loaded, TE calls into a
-cuDNN it was not built for; the failure shows up late (fused-attention backward), not at import.
-So the image's final stage (ep_image/build/image_stage.py finish):
-
-- links ``<prefix>/active-cudnn`` to the active venv's ``site-packages/nvidia/cudnn`` (through
-  ``<prefix>/active``, so switching backend with ``use-ep --activate`` follows along), which the
-  Dockerfile puts first on LD_LIBRARY_PATH and in CUDNN_PATH/CUDNN_HOME;
-- lists ``<prefix>/active-cudnn/lib`` in ``/etc/ld.so.conf.d/000-ep-venv-cudnn.conf`` and
-  runs ldconfig, so processes that drop LD_LIBRARY_PATH still resolve the venv's copy first;
-- checks that ``ldconfig -p`` now resolves ``libcudnn.so.9`` to the venv, and fails the build
-  otherwise;
-- adds a ``cudnn_runtime`` section to ``<prefix>/te-build.json``: the venv's cuDNN version (what
-  TE was built against) next to the base image's (what is shadowed).
-
-Standard library only; shares cuDNN discovery with ep_image/build/build_te.py (a sibling module).
+Why: TE is compiled against the venv's cuDNN; loading the base image's instead fails late.
 """
 
 from __future__ import annotations
@@ -31,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ep_image.build import build_te
+from ep_image.build.te_wheels import TE_RECORD
+from ep_image.build.venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
 
 LDCONF = Path("/etc/ld.so.conf.d/000-ep-venv-cudnn.conf")
 SONAME = "libcudnn.so.9"
@@ -55,7 +40,7 @@ def base_image_cudnn(prefix: Path) -> dict[str, object]:
     version = None
     for header in map(Path, BASE_HEADERS):
         if header.is_file():
-            version = build_te.read_cudnn_version(header)
+            version = read_cudnn_version(header)
             break
     if version is None and libs:
         match = re.search(r"\.so\.(\d+\.\d+\.\d+)$", os.path.realpath(libs[0]))
@@ -74,11 +59,25 @@ def link_active(prefix: Path, venv: Path, cudnn_root: Path) -> Path:
 
 
 def stage(prefix: Path) -> dict[str, object]:
-    """Link, configure the loader, verify; return the cudnn_runtime record."""
+    """Link, configure the loader, verify; return the cudnn_runtime record.
+
+    A CUDA "cudnn" base image carries its own, usually different, cuDNN in the linker's default
+    path; if that one is loaded, TE calls into a cuDNN it was not built for and fails in
+    fused-attention backward, not at import. So the image's final stage (image_stage.py finish):
+
+    - links ``<prefix>/active-cudnn`` to the active venv's ``site-packages/nvidia/cudnn``
+      (through ``<prefix>/active``, so ``use-ep --activate`` follows along), which the
+      Dockerfile puts first on LD_LIBRARY_PATH and in CUDNN_PATH/CUDNN_HOME;
+    - lists ``<prefix>/active-cudnn/lib`` in ``/etc/ld.so.conf.d/000-ep-venv-cudnn.conf`` and runs
+      ldconfig, so processes that drop LD_LIBRARY_PATH still resolve the venv's copy first;
+    - checks that ``ldconfig -p`` now resolves ``libcudnn.so.9`` to the venv, else fails;
+    - ``record`` then adds this as ``cudnn_runtime`` to ``<prefix>/te-build.json``: the venv's
+      cuDNN version (what TE was built against) next to the base image's (what is shadowed).
+    """
     venv = (prefix / "active").resolve()
     try:
-        cudnn = build_te.find_cudnn(venv)
-    except build_te.BuildTeError as err:
+        cudnn = find_cudnn(venv)
+    except CudnnError as err:
         # Only a test image built with VENV_SKIP_PACKAGES lacks it; say so in the record.
         print(f"stage_cudnn: warning: {err}", file=sys.stderr)
         base = base_image_cudnn(prefix)
@@ -106,7 +105,7 @@ def stage(prefix: Path) -> dict[str, object]:
 
 def record(prefix: Path, runtime: dict[str, object]) -> None:
     """Add cudnn_runtime to <prefix>/te-build.json (kept next to what TE was built against)."""
-    path = prefix / "te-build.json"
+    path = prefix / TE_RECORD
     data = json.loads(path.read_text()) if path.is_file() else {}
     built = data.get("cudnn_version")
     if built and runtime.get("staged") and built != runtime["venv_version"]:

@@ -1,0 +1,76 @@
+"""Sync one backend's extra of the lock into its venv, a git source built on its NVSHMEM/NCCL.
+
+Why: host mode and the image's ep stages must build each backend identically (one code path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ep_image import backends as ep_backends
+from ep_image import nvshmem, source_build
+from ep_image.build import lock_sync
+from ep_image.build.source_prep import prepare_source_build
+from ep_image.build.te_wheels import TE_DISTRIBUTION, TE_EXTRA
+from ep_image.build.uv_run import BuildError, run, sync_failure
+from ep_image.project import site_packages
+
+
+def sync_backend(
+    uv: str,
+    venv: Path,
+    backend: ep_backends.Backend,
+    project: Path,
+    skip: list[str],
+    te: bool,
+    inexact: bool = False,
+) -> dict[str, object] | None:
+    """Sync the backend's extra into ``venv``; returns the build set-up record, if it needed one.
+
+    ``te``: also the ``te`` extra (TE's runtime dependencies and the cuDNN it was built against
+    come from the lock, only TE itself from the prebuilt wheel, so TE is never synced).
+    ``inexact``: completing a skeleton, which already holds TE (installed apart from the lock).
+    A backend whose build needs the venv's NVSHMEM or NCCL is synced in two steps: all but its
+    distribution, then the distribution built against the venv's libraries (NVSHMEM:
+    ep_image/nvshmem.py with a ``$ORIGIN`` runpath, checked afterwards; NCCL: on the build's
+    LIBRARY_PATH).
+    """
+    env = lock_sync.sync_environment(venv)
+    extras = [backend.extra, *([TE_EXTRA] if te else [])]
+    cmd = lock_sync.sync_command(uv, project, extras, [TE_DISTRIBUTION, *skip], inexact)
+    skipped = any(
+        ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
+    )
+    # A git source is compiled here: NVSHMEM set-up and checks where the registry says so (a
+    # prebuilt wheel, in a fork or a test project, brings its own runpath; the ABI check binds it).
+    compiled = bool(backend.git) and not skipped
+    builds_nvshmem = ep_backends.NVSHMEM in backend.build_needs and compiled
+    links_nccl = ep_backends.NCCL in backend.build_needs and compiled
+    if compiled:
+        env.update(prepare_source_build(uv, venv, backend, project, env))
+    try:
+        if not (builds_nvshmem or links_nccl):
+            run(cmd, env=env, cwd=project)
+            return None
+        run([*cmd, "--no-install-package", backend.distribution], env=env, cwd=project)
+        build_env = nvshmem.build_environment(venv, env) if builds_nvshmem else {}
+        if links_nccl:
+            build_env.update(source_build.nccl_link(site_packages(venv), {**env, **build_env}))
+        print(f"make_venv: {backend.name}: building against {build_env}", flush=True)
+        run(cmd, env={**env, **build_env}, cwd=project)
+        if not builds_nvshmem:
+            return build_env
+        try:
+            checked = nvshmem.check_extension(venv)
+        except nvshmem.NvshmemError as exc:
+            # A wheel from uv's cache built without this set-up: rebuild it once, here.
+            print(f"make_venv: {exc}\nmake_venv: rebuilding {backend.distribution}", flush=True)
+            refresh = ["--refresh-package", backend.distribution]
+            refresh += ["--reinstall-package", backend.distribution]
+            run([*cmd, *refresh], env={**env, **build_env}, cwd=project)
+            checked = nvshmem.check_extension(venv)
+        return {**build_env, "extension": checked}
+    except (nvshmem.NvshmemError, source_build.LinkError) as exc:
+        raise BuildError(f"{backend.name}: {exc}") from None
+    except BuildError as exc:
+        raise sync_failure(backend, str(exc)) from None

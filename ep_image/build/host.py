@@ -1,0 +1,191 @@
+"""Host mode: every requested backend's venv under a prefix, deduplicated, one made active.
+
+Why: clusters without Docker need the image's venvs from the same lock and the same steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from ep_image import SOURCE_ROOT, child_env
+from ep_image import backends as ep_backends
+
+#: What the user ran: the ep-host entry point, or scripts/build_host.sh (which runs this module).
+PROG = "ep-host" if Path(sys.argv[0]).name == "ep-host" else "build_host.sh"
+SCRIPTS = SOURCE_ROOT / "scripts"
+USE_EP = SCRIPTS / "use-ep"
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+#: The options that take a value, and what the value is (named when it is missing).
+VALUES = {"--prefix": "DIR", "--backends": "LIST", "--te-wheel": "PATH", "--python": "PY",
+          "--project": "DIR", "--activate": "BACKEND"}  # fmt: skip
+
+USAGE = (
+    f"{PROG} --prefix DIR [--backends LIST] [--te-wheel PATH]... [--python PY]\n"
+    f"{' ' * len(f'usage: {PROG} ')}[--project DIR] [--no-read-only] [--activate BACKEND]"
+)
+DESCRIPTION = """\
+Build EP backend venvs under DIR (one per backend, from the committed uv.lock), then hardlink
+identical files across them, so all of them cost about as much disk as one."""
+EPILOG = """\
+Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
+Needs: uv (on PATH, or installed by python3 -m ep_image.build.bootstrap), Python >= 3.11 to run
+the scripts (PYTHON=..., else python3, else uv's). Every step is ep_image/build/make_venv.py, the
+command the image's ep-<backend> stages run too: HybridEP's NVSHMEM set-up included.
+docs/host-mode.md is the guide."""
+
+
+class HostParser(argparse.ArgumentParser):
+    """argparse that reports usage errors as build_host.sh always has: one line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{PROG}: {message}\n")
+
+
+def build_parser() -> HostParser:
+    parser = HostParser(
+        prog=PROG,
+        usage=USAGE,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+        exit_on_error=False,
+    )
+    parser.add_argument(
+        "--prefix",
+        metavar=VALUES["--prefix"],
+        default=os.environ.get("EP_PREFIX", ""),
+        help="where the venvs go (default: $EP_PREFIX); use a filesystem that supports "
+        "hardlinks, and the same one for all backends",
+    )
+    parser.add_argument(
+        "--backends",
+        metavar=VALUES["--backends"],
+        default=os.environ.get("EP_BACKENDS") or "all",
+        help=f"comma list of backends ({ep_backends.valid_names_text()}), or all "
+        "(default: $EP_BACKENDS or all); a backend that fails does not stop the others",
+    )
+    parser.add_argument(
+        "--te-wheel",
+        metavar=VALUES["--te-wheel"],
+        action="append",
+        default=[],
+        help="Transformer Engine wheel from ep_image/build/build_te.py, put in every venv",
+    )
+    parser.add_argument(
+        "--python",
+        metavar=VALUES["--python"],
+        help="interpreter for the venvs (uv venv --python; uv may download one)",
+    )
+    parser.add_argument(
+        "--project",
+        metavar=VALUES["--project"],
+        help="the pyproject.toml + uv.lock to build from (default: this repository)",
+    )
+    parser.add_argument(
+        "--read-only",
+        dest="read_only",
+        action="store_true",
+        default=True,
+        help="dedup --read-only (the default): an in-place write into one venv fails instead "
+        "of changing all of them; see docs/host-mode.md",
+    )
+    parser.add_argument(
+        "--no-read-only",
+        dest="read_only",
+        action="store_false",
+        help="keep write bits on shared files",
+    )
+    parser.add_argument(
+        "--activate", metavar=VALUES["--activate"], help="point DIR/active at BACKEND when done"
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The options, or exit 2 naming the first bad argument (the usage follows on stderr)."""
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        option = exc.argument_name or "an option"
+        parser.exit(EXIT_USAGE, f"{PROG}: {option} needs {VALUES.get(option, 'a value')}\n")
+    if unknown:
+        print(f"{PROG}: unknown argument {unknown[0]}", file=sys.stderr)
+        parser.print_help(sys.stderr)
+        parser.exit(EXIT_USAGE)
+    if not args.prefix:
+        parser.exit(EXIT_USAGE, f"{PROG}: --prefix DIR (or EP_PREFIX) is required\n")
+    return args
+
+
+def installed_backends(prefix: Path) -> tuple[int, list[str]]:
+    """``use-ep --list`` for ``prefix``: its exit code and the backends it lists."""
+    proc = subprocess.run(
+        [str(USE_EP), "--list"],
+        env={**os.environ, "EP_PREFIX": str(prefix)},
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    return proc.returncode, [line for line in proc.stdout.splitlines() if line]
+
+
+def build(args: argparse.Namespace, prefix: Path) -> int:
+    """make_venv for every backend (--keep-going), dedup across the venvs built, activate."""
+    # Copies, not links into uv's cache: the prefix then stands alone (the cache may be on another
+    # filesystem, be pruned, or belong to someone else), and dedup.py does the sharing, within it.
+    env = child_env({**os.environ, "UV_LINK_MODE": os.environ.get("UV_LINK_MODE") or "copy"})
+    make_venv = [sys.executable, "-m", "ep_image.build.make_venv", "--backend", args.backends]
+    make_venv += ["--prefix", str(prefix), "--keep-going"]
+    make_venv += [f"--python={args.python}"] if args.python else []
+    make_venv += [f"--project={args.project}"] if args.project else []
+    make_venv += [f"--te-wheel={wheel}" for wheel in args.te_wheel]
+    status = subprocess.run(make_venv, env=env, check=False).returncode
+
+    listed, venvs = installed_backends(prefix)
+    if listed != 0:
+        return listed
+    if len(venvs) >= 2:
+        dedup = [sys.executable, "-m", "ep_image.build.dedup"]
+        dedup += ["--read-only"] if args.read_only else []
+        dedup += ["--json", str(prefix / "dedup.json"), *venvs]
+        if subprocess.run(dedup, env=env, cwd=prefix, check=False).returncode != 0:
+            status = EXIT_FAILED
+    if args.activate:
+        activate = [str(USE_EP), "--activate", args.activate]
+        ep_env = {**env, "EP_PREFIX": str(prefix)}
+        done = subprocess.run(activate, env=ep_env, stdout=subprocess.DEVNULL, check=False)
+        if done.returncode != 0:
+            status = EXIT_FAILED
+
+    print(f"{PROG}: backends under {prefix}: {' '.join(venvs)}")
+    print(f'{PROG}: switch with: eval "$(EP_PREFIX={prefix} {USE_EP} BACKEND)"')
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    prefix = Path(os.path.abspath(args.prefix))
+    try:
+        prefix.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"{PROG}: cannot create --prefix {prefix}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        return build(args, prefix)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

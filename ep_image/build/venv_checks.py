@@ -1,0 +1,71 @@
+"""What a built venv must pass before it moves into place: its own deep_ep, the ABI check.
+
+Why: a venv that installs cleanly but fails at import on every GPU node is refused here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ep_image import abi
+from ep_image import backends as ep_backends
+from ep_image.build.uv_run import BuildError
+from ep_image.project import site_packages
+
+
+def verify_backend(
+    venv: Path, backend: ep_backends.Backend, installed: list[dict[str, str]]
+) -> bool:
+    """Check the backend's deep_ep landed and no other backend's did; True if installed."""
+    names = {ep_backends.normalize(d["name"]) for d in installed}
+    own = ep_backends.normalize(backend.distribution)  # a variant's, e.g. deep-ep for deepep_v2
+    others = [
+        d
+        for d in ep_backends.other_distributions(backend.name)
+        if ep_backends.normalize(d) in names and ep_backends.normalize(d) != own
+    ]
+    if others:
+        raise BuildError(f"{backend.name}: other backends' distributions installed: {others}")
+    if own not in names:
+        return False
+    site = site_packages(venv)
+    marker = site / backend.marker_file
+    layout = ep_backends.layout_backend(site / ep_backends.MODULE)
+    if not marker.is_file() or layout != backend.name:
+        raise BuildError(
+            f"{backend.name}: {backend.distribution} is installed but its deep_ep is "
+            f"{f'the {layout} layout' if layout else 'no known layout'}, not {backend.name}'s "
+            f"({backend.marker_file}): check the pin in pyproject.toml"
+        )
+    return True
+
+
+def check_abi(venv: Path, distributions: list[str], strict: bool) -> list[dict[str, object]]:
+    """Bind every compiled extension of ``distributions`` to the venv's own torch, NCCL, ...
+    (ep_image/abi.py); a BuildError names the first symbol that does not bind and the fix.
+    ``strict``: a library not found fails too (off for a venv that leaves packages out).
+
+    Why here: a venv whose backend was built against another torch installs cleanly and fails
+    at import on every GPU node; this refuses it before it is moved into place.
+    """
+    site = site_packages(venv)
+    try:
+        results = abi.check(site, venv / "bin" / "python", distributions)
+    except abi.ld_trace.LoaderError as exc:
+        raise BuildError(f"the ABI check could not run: {exc}") from None
+    version = abi.torch_version(site)
+    problems = [line for r in results for line in r.problems(version, strict)]
+    for result in results:
+        ext = Path(result.extension).name
+        state = "ok" if result.ok else "FAILS"
+        notes = {
+            "stub": ["driver symbols against the CUDA toolkit's stub"],
+            "absent": ["driver symbols not checked (no driver or toolkit stub here)"],
+        }.get(result.driver, [])
+        if not result.complete:
+            notes.append(f"not found, so not checked: {', '.join(result.not_found)}")
+        detail = f" ({'; '.join(notes)})" if notes else ""
+        print(f"make_venv: ABI {state}: {ext} binds to this venv's libraries{detail}", flush=True)
+    if problems:
+        raise BuildError("\n  - ".join(["the venv would not import:", *problems]))
+    return [r.to_json() for r in results]
