@@ -114,6 +114,7 @@ def test_torch_backend_passes_in_a_plain_process(tmp_path: Path) -> None:
     # The human table, DeepEP-test style, on stdout.
     assert "dispatch_combine  pass" in proc.stdout
     assert "result: passed (exit 0)" in proc.stdout
+    assert f"report: {tmp_path / 'report.json'}" in proc.stdout.splitlines()[-1]
     assert "Traceback" not in proc.stderr
 
 
@@ -122,8 +123,9 @@ def test_torch_backend_passes_over_gloo(tmp_path: Path, world: int) -> None:
     proc, report = run_probe(tmp_path, "--backend", "torch", *SMALL, *QUICK, nproc=world)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_all_passed(report, world, 64, 16, 4)
-    # The table is printed once (rank 0), not once per rank.
+    # The table and where the report went are printed once (rank 0), not once per rank.
     assert proc.stdout.count("result: passed") == 1
+    assert proc.stdout.count("report: ") == 1
 
 
 def test_torch_backend_bf16_under_torchrun(tmp_path: Path) -> None:

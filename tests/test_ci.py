@@ -8,13 +8,15 @@ Dockerfile, README): these tests hold the copies equal.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-from ep_image import tools
+from ep_image import backends, tools
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,10 +40,21 @@ def test_ci_run_runs_readmes_test_command() -> None:
     )
 
 
-def test_the_main_job_installs_uv_first() -> None:
-    command = readme_command("The main job")
-    first_two = "python3 -m ep_image.build.bootstrap && python3 -m ep_image.build.make_venv"
-    assert command.startswith(first_two)
+def test_the_main_job_installs_uv_then_builds_then_probes() -> None:
+    """README's main job, step by step: uv first (bootstrap), then a venv of the default backend
+    from the lock, then a probe from that venv's bin/, each naming something that exists."""
+    steps = [step.split() for step in readme_command("The main job").split("&&")]
+    modules = [s[2] for s in steps if s[:2] == ["python3", "-m"]]
+    assert modules[:2] == ["ep_image.build.bootstrap", "ep_image.build.make_venv"], steps
+    for module in modules:
+        assert importlib.util.find_spec(module) is not None, module
+    build = steps[1]
+    backend, prefix = build[build.index("--backend") + 1], build[build.index("--prefix") + 1]
+    assert backend == backends.DEFAULT_BACKEND
+    probe = Path(steps[2][0])
+    assert probe.parent == Path(prefix, backend, "bin"), steps[2]
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        assert probe.name in tomllib.load(fh)["project"]["scripts"], probe.name
 
 
 def test_one_uv_version_everywhere() -> None:

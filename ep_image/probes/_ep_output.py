@@ -22,7 +22,7 @@ from ep_image.probes._report import (
     Step,
     build_report,
     render_table,
-    write_json_atomic,
+    write_report,
 )
 from ep_image.probes._supervise import Outcome
 
@@ -92,7 +92,7 @@ def finish(
     )
     print(render_table("check_ep", header_lines(sel, env, meta), steps, code), flush=True)
     if args.json:
-        write_json_atomic(args.json, report)
+        write_report(args.json, report)
     return code
 
 

@@ -204,6 +204,12 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, fsync: bool = True
     write_json(Path(path), obj, sort_keys=False, default=str, fsync=fsync)
 
 
+def write_report(path: str | os.PathLike[str], report: dict[str, Any]) -> None:
+    """The probe's JSON report, written atomically, and one line saying where it went."""
+    write_json_atomic(path, report)
+    print(f"report: {os.path.abspath(path)}", flush=True)
+
+
 def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f}s" if seconds < 100 else f"{seconds:.0f}s"
 

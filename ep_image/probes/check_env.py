@@ -22,7 +22,7 @@ from ep_image.probes._report import (
     ProbeArgumentParser,
     UsageError,
     one_line,
-    write_json_atomic,
+    write_report,
 )
 
 PROG = "check_env"
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {"schema_version": SCHEMA_VERSION, "probe": "check_env", **manifest}
         report["environment"] = _venv_record.environment_facts()
-        write_json_atomic(args.json, report)
+        write_report(args.json, report)
     return EXIT_OK
 
 

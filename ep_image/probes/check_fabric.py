@@ -27,7 +27,7 @@ from ep_image.probes._report import (
     one_line,
     render_table,
     timed_step,
-    write_json_atomic,
+    write_report,
 )
 
 PROG = "check_fabric"
@@ -440,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
     summary = verdict(steps, code)
     print(render_table(PROG, [f"verdict: {summary}", f"root {args.root}"], steps, code))
     if args.json:
-        write_json_atomic(
+        write_report(
             args.json,
             build_report(
                 PROG,

@@ -28,7 +28,7 @@ from ep_image.probes._report import (
     one_line,
     render_table,
     timed_step,
-    write_json_atomic,
+    write_report,
 )
 
 PROG = "check_te"
@@ -425,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
     header = [f"te-build.json: {build_info_path}"]
     print(render_table("check_te", header, steps, code), flush=True)
     if args.json:
-        write_json_atomic(args.json, report)
+        write_report(args.json, report)
     return code
 
 
