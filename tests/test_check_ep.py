@@ -518,7 +518,7 @@ def test_classify_import_failure(
 
 
 def test_markers_and_distributions_match_the_build_registry() -> None:
-    """The probe's identity rules agree with ep_image/backends.py (one registry, two readers)."""
+    """The probe's identity rules agree with ep_image/backends/ (one registry, two readers)."""
     registry = backends.load_registry(ROOT)
     assert tuple(registry) == _ep_detect.BACKEND_NAMES
     markers = dict(_ep_detect.MARKERS)

@@ -328,7 +328,7 @@ print("PROBE " + json.dumps({
                / backend["marker_file"]).is_file(),
     "manifest": (prefix / "env-manifest.json").is_file(),
     "probes": sorted(p.name for p in Path(sys.prefix, "bin").glob("check-*")),
-    "registry": (Path("/opt/ep-image/ep_image/backends.py")).is_file(),
+    "registry": Path("/opt/ep-image/ep_image/backends/__init__.py").is_file(),
     "stages": sorted(p.name for p in Path("/etc/ep-image/stages").glob("*.json")),
     "etc": sorted(p.name for p in Path("/etc/ep-image").iterdir()),
     "te_build": json.loads(Path(os.environ["EP_TE_BUILD_INFO"]).read_text()),
@@ -457,10 +457,10 @@ def test_multi_backend_assembly_is_each_stage_venv_and_only_its_files(
                 venv = f"opt/venvs/{name}"
                 assert tree_differences(image_root / venv, stage_root / venv) == [], name
     compared = time.monotonic() - started
-    # The layers: venvs-common's chain is what both stages share; each stage adds its own.
+    # The layers: venvs-common's chain is what every stage shares; each stage adds its own.
     chains = {n: [x["id"] for x in reversed(buildah.layers(s))] for n, s in stage_images.items()}
-    pairs = zip(*chains.values(), strict=False)  # the shorter chain ends the comparison
-    common = [x for x, _ in takewhile(lambda pair: pair[0] == pair[1], pairs)]
+    rows = zip(*chains.values(), strict=False)  # the shortest chain ends the comparison
+    common = [row[0] for row in takewhile(lambda row: len(set(row)) == 1, rows)]
     sizes = {
         x["id"]: x.get("diff-size") or 0 for n in names for x in buildah.layers(stage_images[n])
     }

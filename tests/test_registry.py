@@ -1,4 +1,4 @@
-"""The backend registry (ep_image/backends.py) and every place that must agree with it.
+"""The backend registry (ep_image/backends/) and every place that must agree with it.
 
 One table, many readers: scripts and probes import the registry; what cannot import it (the
 Dockerfile's stages, the workflows' EP lists, pyproject.toml's extras, docker/select-ep's input)

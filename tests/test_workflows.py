@@ -369,7 +369,7 @@ def test_gpu_probe_choices_equal_the_backends() -> None:
 
 
 def test_ep_backends_names_cli_matches_pyproject() -> None:
-    """gpu-probes.yml expands `all` with `ep_image/backends.py --names`: same list, same order."""
+    """gpu-probes.yml expands `all` with `python3 -m ep_image.backends --names`: same order."""
     result = subprocess.run(
         [sys.executable, "-m", "ep_image.backends", "--names"],
         capture_output=True,

@@ -18,7 +18,7 @@ def verify_backend(
 ) -> bool:
     """Check the backend's deep_ep landed and no other backend's did; True if installed."""
     names = {ep_backends.normalize(d["name"]) for d in installed}
-    own = ep_backends.normalize(backend.distribution)  # a variant's, e.g. deep-ep for deepep_v2
+    own = ep_backends.normalize(backend.distribution)  # a variant's own, when one is built
     others = [
         d
         for d in ep_backends.other_distributions(backend.name)

@@ -8,7 +8,7 @@ into a verdict that names the fix.
 
 Identity rules (distribution first, file layout to confirm or decide): the facts, which
 distribution and which marker file stands for which backend, live in the backend registry
-(``ep_image/backends.py``: ``PROVIDERS`` and ``layout_markers()``); the detection logic that
+(``ep_image/backends/``: ``PROVIDERS`` and ``layout_markers()``); the detection logic that
 applies them is here. A git build of DeepEP (``deep-ep``) is told apart by its layout only.
 """
 

@@ -60,7 +60,7 @@ class UpstreamTest:
     shares_gpu: bool  # False: it builds NCCL communicators
 
 
-#: From the registry (ep_image/backends.py): each backend's own test and whether it can share a GPU.
+#: From the registry (ep_image/backends/): each backend's own test and whether it can share a GPU.
 TESTS = {
     s.name: UpstreamTest(s.upstream_test, s.shares_gpu) for s in registry.SPECS if s.upstream_test
 }
