@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ep_image import backends
 from ep_image.probes import _ep_detect
@@ -95,36 +94,17 @@ def test_cli_lists_the_registry() -> None:
     ]
 
 
-def test_workflow_ep_lists_equal_the_registry() -> None:
-    """The image matrix and the GPU workflow's choices: every backend alone, plus all."""
-    expected = sorted([*backends.BACKEND_NAMES, backends.ALL])
-    matrix = yaml.safe_load((ROOT / ".github/workflows/image-build.yml").read_text())
-    eps = [job["strategy"]["matrix"]["ep"] for job in matrix["jobs"].values()
-           if "ep" in (job.get("strategy") or {}).get("matrix", {})]  # fmt: skip
-    assert eps and all(sorted(ep) == expected for ep in eps), eps
-    gpu = yaml.safe_load((ROOT / ".github/workflows/gpu-probes.yml").read_text())
-    triggers = gpu.get("on") or gpu.get(True)  # YAML 1.1 reads `on:` as True
-    assert sorted(triggers["workflow_dispatch"]["inputs"]["ep"]["options"]) == expected
-
-
-def test_the_shared_gpu_job_runs_the_backends_that_can_share_a_gpu() -> None:
-    """gpu-probes.yml's shared-GPU matrix is the registry's backends with ``shares_gpu``."""
-    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "gpu-probes.yml").read_text())
-    matrix = workflow["jobs"]["shared-gpu"]["strategy"]["matrix"]["backend"]
-    assert matrix == [s.name for s in backends.SPECS if s.shares_gpu]
-
-
 # Where a backend name may appear: the registry itself, its tests, docs, the pins, the
-# Dockerfile's generated stages and default (checked against the registry) and the workflows'
-# EP lists (checked above); comments may name one as an example.
+# Dockerfile's generated stages and default (checked against the registry); comments may name
+# one as an example. The workflows take their matrices from the registry.
 ALLOWED = ("docs/", "tests/", "README.md", "pyproject.toml", "uv.lock", "ep_image/backends/")
 
 
 @pytest.mark.parametrize("name", backends.BACKEND_EXTRAS)
 def test_backend_names_are_spelled_only_where_the_registry_reaches(name: str) -> None:
-    """`git grep -w NAME` outside docs, tests, pins and the registry finds only comments, the
-    Dockerfile's generated stages and default, and the workflows' EP lists (all checked
-    against the registry): code takes every backend from the registry."""
+    """`git grep -w NAME` outside docs, tests, pins and the registry finds only comments and the
+    Dockerfile's generated stages and default (checked against the registry): code, workflows
+    and scripts take every backend from the registry."""
     found = subprocess.run(
         ["git", "grep", "-n", "-w", name, "--", "."],
         cwd=ROOT, capture_output=True, text=True, check=False,
@@ -137,8 +117,6 @@ def test_backend_names_are_spelled_only_where_the_registry_reaches(name: str) ->
         if path.startswith(ALLOWED) or text.lstrip().startswith("#"):
             continue
         if path == "docker/Dockerfile" and _is_generated_or_stage_name(text):
-            continue
-        if path.startswith(".github/workflows/") and re.search(r"(ep|options|backend): \[", text):
             continue
         offenders.append(line)
     assert not offenders, "backend names outside the registry:\n" + "\n".join(offenders)

@@ -46,6 +46,8 @@ from typing import Any
 import pytest
 import yaml
 
+from ep_image import backends
+
 ROOT = Path(__file__).resolve().parent.parent
 GITHUB = ROOT / ".github"
 WORKFLOW_DIR = GITHUB / "workflows"
@@ -329,19 +331,57 @@ def test_every_pinned_uses_names_its_version_and_one_sha_per_action() -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_ep_matrix_equals_pyproject_backends_plus_all() -> None:
-    eps = expected_eps()
-    seen = 0
-    for wf_path in WORKFLOWS:
-        for job_id, job in jobs(load_workflow(wf_path)):
-            matrix = (job.get("strategy") or {}).get("matrix") or {}
-            if "ep" in matrix:
-                seen += 1
-                assert matrix["ep"] == eps, (
-                    f"{wf_path.name}:{job_id} builds {matrix['ep']}, but pyproject.toml's "
-                    f"backends plus 'all' are {eps}: add the backend to the matrix"
-                )
-    assert seen, "no job has an `ep` matrix: image-build.yml should build one image per backend"
+def run_plan_step(workflow: str, job: str, step_id: str, tmp: Path, **env: str) -> dict[str, str]:
+    """Run a workflow step's own `run:` script as the runner would (bash, the checkout as the
+    working directory, GITHUB_OUTPUT a file) and return what it wrote there."""
+    step = next(
+        s
+        for j, s in steps(load_workflow(WORKFLOW_DIR / workflow))
+        if j == job and s.get("id") == step_id
+    )
+    output = tmp / f"{job}-{step_id}.out"
+    output.unlink(missing_ok=True)
+    proc = subprocess.run(
+        ["bash", "-eo", "pipefail", "-c", step["run"]],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "GITHUB_OUTPUT": str(output), **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(line.split("=", 1) for line in output.read_text().splitlines())
+
+
+def test_the_image_matrix_is_the_registrys(tmp_path: Path) -> None:
+    """image-build.yml builds every EP value the registry names, from its plan job's output."""
+    for job_id, job in jobs(load_workflow(WORKFLOW_DIR / "image-build.yml")):
+        matrix = (job.get("strategy") or {}).get("matrix") or {}
+        if "ep" in matrix:
+            assert matrix["ep"] == "${{ fromJSON(needs.plan.outputs.eps) }}", job_id
+            assert "plan" in job["needs"], job_id
+    eps = run_plan_step("image-build.yml", "plan", "eps", tmp_path)["eps"]
+    assert json.loads(eps) == [*pyproject_backends(), "all"]
+
+
+def test_the_gpu_probe_plan_follows_the_registry(tmp_path: Path) -> None:
+    """gpu-probes.yml: EP=all probes every backend and runs the shared-GPU job for those that
+    may share a GPU; one backend probes only that one; anything else fails naming the values."""
+    wf = load_workflow(WORKFLOW_DIR / "gpu-probes.yml")
+    assert wf["jobs"]["probe"]["strategy"]["matrix"]["backend"] == (
+        "${{ fromJSON(needs.plan.outputs.backends) }}"
+    )
+    assert wf["jobs"]["shared-gpu"]["strategy"]["matrix"]["backend"] == (
+        "${{ fromJSON(needs.plan.outputs.shared) }}"
+    )
+    env = {"IMAGE_NAME": "", "GITHUB_REPOSITORY": "o/r", "SHA": "abc"}
+    plan = run_plan_step("gpu-probes.yml", "plan", "plan", tmp_path, EP="all", **env)
+    assert json.loads(plan["backends"]) == pyproject_backends()
+    assert json.loads(plan["shared"]) == [s.name for s in backends.SPECS if s.shares_gpu]
+    assert plan["image"] == "ghcr.io/o/r:all-abc"
+    for spec in backends.SPECS:
+        plan = run_plan_step("gpu-probes.yml", "plan", "plan", tmp_path, EP=spec.name, **env)
+        assert json.loads(plan["backends"]) == [spec.name]
+        assert json.loads(plan["shared"]) == ([spec.name] if spec.shares_gpu else [])
+    with pytest.raises(AssertionError, match="unknown EP 'deepep_v1-deepep_v2'; valid: "):
+        run_plan_step("gpu-probes.yml", "plan", "plan", tmp_path, EP="deepep_v1-deepep_v2", **env)
 
 
 def test_image_builds_pass_the_matrix_backend_as_build_arg() -> None:
@@ -360,12 +400,6 @@ def test_image_builds_pass_the_matrix_backend_as_build_arg() -> None:
                 f"{wf_path.name}:{job_id} step {step.get('name')!r} does not pass EP"
             )
     assert builds, "no docker/build-push-action step builds the image"
-
-
-def test_gpu_probe_choices_equal_the_backends() -> None:
-    wf = load_workflow(WORKFLOW_DIR / "gpu-probes.yml")
-    options = triggers(wf)["workflow_dispatch"]["inputs"]["ep"]["options"]
-    assert sorted(options) == sorted(expected_eps())
 
 
 def test_ep_backends_names_cli_matches_pyproject() -> None:

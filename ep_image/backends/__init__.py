@@ -336,6 +336,15 @@ def get_backend(name: str, project: Path = DEFAULT_PROJECT, variant: str | None 
     return _backend(read_pyproject(project), backend_spec, chosen)
 
 
+def workflow_matrix() -> dict[str, list[str]]:
+    """What the CI workflows fan out over, so that no workflow lists a backend itself."""
+    return {
+        "backends": list(BACKEND_NAMES),
+        "image_ep": [value for value, _ in image_ep_values()],
+        "shares_gpu": [s.name for s in SPECS if s.shares_gpu],
+    }
+
+
 # --- CLI -----------------------------------------------------------------------------------------
 
 
@@ -368,6 +377,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="print every EP value the image accepts and the backends it selects",
     )
     group.add_argument("--default", action="store_true", help="print the default backend")
+    group.add_argument(
+        "--matrix",
+        action="store_true",
+        help="print the CI workflows' matrices as JSON: backends, image EP values, and the "
+        "backends whose ranks may share a GPU",
+    )
     return parser.parse_args(argv)
 
 
@@ -378,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.default:
         print(DEFAULT_BACKEND)
+        return 0
+    if args.matrix:
+        print(json.dumps(workflow_matrix()))
         return 0
     if args.image_ep:
         for value, backends in image_ep_values():

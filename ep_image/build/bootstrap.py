@@ -33,6 +33,7 @@ TEST_PACKAGES: tuple[tuple[str, str], ...] = (
     ("git", "git"),
     ("cc", "gcc"),
     ("make", "make"),
+    ("jq", "jq"),  # the workflows' plan steps, run by tests/test_workflows.py
     ("/usr/include/infiniband/verbs.h", "libibverbs-dev"),
 )
 
