@@ -1,4 +1,4 @@
-"""The pinned uv and where the build scripts find it.
+"""The pinned uv and where the build scripts find it; where they find use-ep.
 
 Why: uv.lock was written by one uv release, and CI, the image and the README install exactly
 that one. The version is written here once; ``.ci/run``, ci.yml, the Dockerfile's ``UV_VERSION``
@@ -15,6 +15,9 @@ from pathlib import Path
 
 #: The uv that wrote uv.lock.
 UV_VERSION = "0.13.9"
+
+#: The active-backend switch: POSIX sh, so that it runs before any Python (host mode, the image).
+USE_EP = Path(__file__).resolve().parent.parent / "scripts" / "use-ep"
 
 
 class ToolError(RuntimeError):

@@ -723,6 +723,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def command(*args: str | os.PathLike[str]) -> list[str]:
+    """How another build step runs dedup: in a process of its own (run it with
+    ``ep_image.child_env()``), so that its report and exit code are dedup's own."""
+    return [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     excludes = () if args.no_default_excludes else DEFAULT_EXCLUDES

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ep_image import SOURCE_ROOT, child_env
 from ep_image import backends as ep_backends
+from ep_image import child_env
+from ep_image.build import dedup
+from ep_image.tools import USE_EP
 
 #: What the user ran: the ep-host entry point, or scripts/build_host.sh (which runs this module).
 PROG = "ep-host" if Path(sys.argv[0]).name == "ep-host" else "build_host.sh"
-SCRIPTS = SOURCE_ROOT / "scripts"
-USE_EP = SCRIPTS / "use-ep"
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -155,10 +155,9 @@ def build(args: argparse.Namespace, prefix: Path) -> int:
     if listed != 0:
         return listed
     if len(venvs) >= 2:
-        dedup = [sys.executable, "-m", "ep_image.build.dedup"]
-        dedup += ["--read-only"] if args.read_only else []
-        dedup += ["--json", str(prefix / "dedup.json"), *venvs]
-        if subprocess.run(dedup, env=env, cwd=prefix, check=False).returncode != 0:
+        read_only = ["--read-only"] if args.read_only else []
+        linking = dedup.command(*read_only, "--json", prefix / "dedup.json", *venvs)
+        if subprocess.run(linking, env=env, cwd=prefix, check=False).returncode != 0:
             status = EXIT_FAILED
     if args.activate:
         activate = [str(USE_EP), "--activate", args.activate]

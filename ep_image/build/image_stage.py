@@ -19,13 +19,11 @@ import time
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT, backends, child_env
-from ep_image.build import stage_cudnn, tree_sync
+from ep_image.build import dedup, stage_cudnn, tree_sync
 from ep_image.project import SKELETON_RECORD as SKELETON_FILE
 from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import write_json
-
-#: The active-backend switch, shell so that it runs before any Python (scripts/use-ep).
-USE_EP = SOURCE_ROOT / "scripts" / "use-ep"
+from ep_image.tools import USE_EP
 
 
 class StageError(RuntimeError):
@@ -73,8 +71,8 @@ def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = Fals
             shutil.rmtree(other)
             print(f"image_stage: removed {other} (EP does not select it)", flush=True)
     venvs = [prefix / name for name in names]
-    cmd = [sys.executable, "-m", "ep_image.build.dedup", "--json", str(prefix / "dedup.json")]
-    subprocess.run([*cmd, *map(str, venvs)], env=child_env(), check=True)
+    cmd = dedup.command("--json", prefix / "dedup.json", *venvs)
+    subprocess.run(cmd, env=child_env(), check=True)
     te_record = SOURCE_ROOT / "te" / "te-build.json"  # the te stage's, via assemble-files
     if te_record.is_file():
         shutil.copy(te_record, prefix / "te-build.json")

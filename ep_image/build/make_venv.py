@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import child_env, source_build
+from ep_image.build import dedup as dedup_step
 from ep_image.build import lock_sync
 from ep_image.build.atomic_venv import (
     assert_relocated,
@@ -105,14 +106,7 @@ def dedup_venvs(*venvs: Path) -> dict[str, object]:
     kept file up instead of saving anything."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "dedup.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "ep_image.build.dedup",
-            "--json",
-            str(report),
-            *map(str, venvs),
-        ]
+        cmd = dedup_step.command("--json", report, *venvs)
         proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
         if proc.returncode != 0:
             names = ", ".join(map(str, venvs))

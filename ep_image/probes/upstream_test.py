@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_image import SOURCE_ROOT
 from ep_image import backends as registry
+from ep_image import child_env
 from ep_image.probes import _venv_record
 from ep_image.probes._report import write_json_atomic
 
@@ -81,11 +81,10 @@ SHARED_INIT_DIST = """def init_dist(local_rank: int, num_local_ranks: int):
 
 #: A sitecustomize.py for the test's processes (its ranks included): at exit each writes what it
 #: loaded from outside its venv, so the report shows the oracle ran on the venv's own stack.
-LOADED_HOOK = """import atexit, json, os, sys
+LOADED_HOOK = """import atexit, json, os
 
 
 def _ep_image_record_loaded():
-    sys.path.insert(0, {source_root!r})  # this ep_image, where the venv does not hold it
     from ep_image.probes import _venv_record
     path = os.path.join({out!r}, f"{{os.getpid()}}.json")
     with open(path, "w") as handle:
@@ -121,13 +120,6 @@ def rewrite_init_dist(utils_source: str) -> str:
             start = node.lineno - 1 - len(node.decorator_list)
             return "".join(lines[:start]) + SHARED_INIT_DIST + "".join(lines[node.end_lineno :])
     raise SystemExit("upstream_test: tests/utils.py has no init_dist() to adapt")
-
-
-def shape_arguments(
-    backend: str, shape: tuple[int, int, int, int], ranks: int
-) -> tuple[list[str], dict[str, str]]:
-    """The test's own flags (v1, v2) or environment variables (HybridEP) for ``shape``."""
-    return registry.spec(backend).upstream_shape_arguments(shape, ranks)
 
 
 def _free_port() -> int:
@@ -183,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.shared_gpu:
             utils.write_text(rewrite_init_dist(utils.read_text()))
         flags, env_extra = (
-            shape_arguments(args.backend, SHAPES[args.shape], args.num_processes)
+            registry.spec(args.backend).upstream_shape_arguments(
+                SHAPES[args.shape], args.num_processes
+            )
             if args.shape
             else ([], {})
         )
@@ -195,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
             *flags,
             *args.extra,
         ]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        # child_env: the hook imports this ep_image, where the venv does not hold it.
+        env = child_env(
+            {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        )
         env.update(env_extra)
         hook, loads = work / "hook", work / "loaded"
         hook.mkdir()
         loads.mkdir()
-        hook_text = LOADED_HOOK.format(source_root=str(SOURCE_ROOT), out=str(loads), work=str(work))
+        hook_text = LOADED_HOOK.format(out=str(loads), work=str(work))
         (hook / "sitecustomize.py").write_text(hook_text)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
         env.pop("WORLD_SIZE", None)
