@@ -145,6 +145,42 @@ def check_source(source: Path, frontend: Frontend | None, need_nccl: bool) -> So
     return check
 
 
+def pinned_frontend(source: Path) -> str | None:
+    """The cudnn-frontend commit TE's own tree pins (its submodule entry), if it is a git tree."""
+    if not (source / ".git").exists() or shutil.which("git") is None:
+        return None
+    out = subprocess.run(
+        ["git", "-C", str(source), "ls-tree", "HEAD", "3rdparty/cudnn-frontend"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    fields = out.stdout.split()
+    return fields[2] if out.returncode == 0 and len(fields) >= 3 else None
+
+
+def frontend_commit(source: Path) -> str | None:
+    """HEAD of the cudnn-frontend submodule, if it is a git checkout of its own."""
+    fe = source / "3rdparty" / "cudnn-frontend"
+    if not (fe / ".git").exists() or shutil.which("git") is None:
+        return None
+    out = subprocess.run(
+        ["git", "-C", str(fe), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def frontend_note(record: Mapping[str, object]) -> str | None:
+    """One line when the frontend compiled is not TE's pinned submodule (None when it is, or
+    when the tree does not say what it pins)."""
+    pinned, used = record.get("cudnn_frontend_pinned"), record.get("cudnn_frontend_commit")
+    if not pinned or used == pinned:
+        return None
+    return (
+        f"the cudnn-frontend compiled is {record.get('cudnn_frontend_version')} from "
+        f"{record.get('cudnn_frontend_origin')} (commit {used or 'unknown'}), not the submodule "
+        f"TE pins ({str(pinned)[:12]})"
+    )
+
+
 def frontend_header_version(include: Path) -> str:
     """cudnn-frontend version from cudnn_frontend_version.h, or 'unknown'."""
     header = include / "cudnn_frontend_version.h"
@@ -238,9 +274,13 @@ def build_env(
 ) -> dict[str, str]:
     """The variables TE's setup.py/CMake read, pointing every cuDNN lookup at the venv."""
 
-    def prepend(name: str, value: Path) -> str:
-        return os.pathsep.join([str(value), *filter(None, [base.get(name)])])
+    def prepend(name: str, *values: Path) -> str:
+        return os.pathsep.join([*map(str, values), *filter(None, [base.get(name)])])
 
+    # TE's util/logging.h includes nccl.h even with NCCL EP off: the lock's NCCL headers, the
+    # NCCL the venv loads at run time.
+    nccl = site_packages(venv) / "nvidia" / "nccl" / "include"
+    includes = [cudnn.include, *([nccl] if (nccl / "nccl.h").is_file() else [])]
     return {
         # cudnn-frontend's cuDNN.cmake searches these before the CUDA toolkit and system paths.
         "CUDNN_PATH": str(cudnn.root),
@@ -248,13 +288,16 @@ def build_env(
         "CUDNN_INCLUDE_PATH": str(cudnn.include),
         "CUDNN_LIBRARY_PATH": str(cudnn.lib),
         # Compiler/linker search order: the venv's cuDNN ahead of any /usr/include copy.
-        "CPATH": prepend("CPATH", cudnn.include),
+        "CPATH": prepend("CPATH", *includes),
         "LIBRARY_PATH": prepend("LIBRARY_PATH", cudnn.lib),
         "LD_LIBRARY_PATH": prepend("LD_LIBRARY_PATH", cudnn.lib),
         # cmake and ninja from the venv (TE's found_ninja() looks on PATH).
         "PATH": prepend("PATH", venv / "bin"),
         "VIRTUAL_ENV": str(venv),
         "NVTE_FRAMEWORK": "pytorch",
+        # check_source has checked the submodules TE's CMake reads and linked in the frontend;
+        # TE's own git check would refuse that link and a snapshot without .gitmodules state.
+        "NVTE_SKIP_SUBMODULE_CHECKS_DURING_BUILD": "1",
         "NVTE_CUDA_ARCHS": nvte_archs(arch_list),
         "TORCH_CUDA_ARCH_LIST": arch_list,
         "MAX_JOBS": str(jobs),
@@ -485,6 +528,9 @@ def plan(
         "cudnn_lib": str(cudnn.lib),
         "cudnn_frontend_version": check.frontend.version if check.frontend else None,
         "cudnn_frontend_origin": check.frontend.origin if check.frontend else None,
+        "cudnn_frontend_commit": frontend_commit(source),
+        "cudnn_frontend_pinned": pinned_frontend(source),
+        "nccl_ep": nccl_ep_wanted(os.environ, env["NVTE_CUDA_ARCHS"]),
         "arch_list": args.arch_list,
         "nvte_cuda_archs": env["NVTE_CUDA_ARCHS"],
         "torch_version": torch_version(venv),
@@ -508,6 +554,8 @@ def print_plan(env: Mapping[str, str], cmd: Sequence[str], record: Mapping[str, 
         print(f"# will link {rel} -> {target}")
     for item in list(record["source_missing"]):  # type: ignore[call-overload]
         print(f"# MISSING in source: {item}")
+    if note := frontend_note(record):
+        print(f"# NOTE: {note}")
     if record["torch_version"] is None:
         print("# MISSING in venv: torch (TE's PyTorch extension compiles against it)")
     for req in list(record["build_requirements_missing"]):  # type: ignore[call-overload]
@@ -554,6 +602,8 @@ def build(
         )
     full_env = {**os.environ, **env}
     record["cuda_version"] = cuda_version(full_env)
+    if note := frontend_note(record):
+        print(f"build_te: note: {note}", flush=True)
     apply_links(source.resolve(), {k: Path(v) for k, v in record["source_links"].items()})
     args.out.mkdir(parents=True, exist_ok=True)
     before = set(args.out.glob("transformer_engine-*.whl"))
