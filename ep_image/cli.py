@@ -1,0 +1,96 @@
+"""The one command-line scaffold every entry point uses: flags, usage errors, fixes, exit codes.
+
+Why: every command must mean the same by a bad flag (one line, exit 2, before any work), by a
+``--json PATH`` it cannot write (found before the work, not after it) and by an error a user can
+mend (one line naming the fix). Each ``main`` declares its flags and does its job; this module
+turns what goes wrong into those lines. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+Options = TypeVar("Options")
+
+
+class UsageError(Exception):
+    """A bad flag, flag combination or argument: one line, exit 2, nothing was done."""
+
+
+class FixableError(Exception):
+    """An error the user can mend: ``message`` says what happened, ``fix`` what to do."""
+
+    def __init__(self, message: str, fix: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.message, self.fix, self.exit_code = message, fix, exit_code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one :class:`UsageError` line instead of a usage dump and a
+    ``SystemExit(2)`` that callers cannot tell from other exits; ``--help`` is unchanged."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see --help)")
+
+    def add_json(self, help_text: str = "write the machine-readable report here") -> None:
+        """``--json PATH``, checked when parsed (see :func:`report_path`)."""
+        self.add_argument("--json", metavar="PATH", type=report_path, help=help_text)
+
+    def add_require(self, help_text: str) -> None:
+        """``--require``: a check that cannot run here fails instead of being skipped."""
+        self.add_argument("--require", action="store_true", help=help_text)
+
+
+def report_path(text: str) -> Path:
+    """An argparse ``type`` for a report file: its directory is made (like ``mkdir -p``) and
+    must be writable, and the path must not be a directory, so that a finished run never
+    loses its verdict to a path that was wrong from the start."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot make the directory of {text} ({exc.strerror or exc}): give a path in a "
+            "directory you can write"
+        ) from None
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (
+        path.exists() and not os.access(path, os.W_OK)
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not writable here: give a path in a directory you can write"
+        )
+    return path
+
+
+def run(
+    prog: str,
+    parse: Callable[[Sequence[str] | None], Options],
+    body: Callable[[Options], int],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Parse ``argv`` with ``parse``, then run ``body``; what goes wrong becomes the lines
+    ``PROG: error: ...`` and ``PROG: fix: ...`` on stderr and its exit code (usage 2,
+    interrupted 130, a fixable error its own, 1 by default)."""
+    try:
+        options = parse(argv)
+        return body(options)
+    except UsageError as exc:
+        print(f"{prog}: usage error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FixableError as exc:
+        print(f"{prog}: error: {exc.message}", file=sys.stderr)
+        print(f"{prog}: fix: {exc.fix}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
