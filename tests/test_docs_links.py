@@ -1,9 +1,10 @@
-"""Every relative link in README.md and docs/**/*.md resolves: the file or folder exists, and an
-anchor names a heading of the page it points at.
+"""Every relative link in README.md, docs/**/*.md and evidence/README.md resolves: the file or
+folder exists, and an anchor names a heading of the page it points at, as GitHub renders it.
 
-Why: product pages quote measured figures briefly and link to the dated results page beside the
-data (docs/results/<date>/README.md); a page moved or a heading renamed must not leave a reader
-at a dead link. External links (http, https, mailto) are not checked: the tests run offline.
+Why: product pages quote measured figures briefly and link to the dated run's page beside its
+data (evidence/<date>/README.md, indexed by evidence/README.md); a page moved or a heading
+renamed must not leave a reader at a dead link. The dated pages themselves are records and are
+not checked here. External links (http, https, mailto) are not checked: the tests run offline.
 """
 
 from __future__ import annotations
@@ -11,11 +12,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Targets that are written elsewhere, with their data, and may not exist yet. A link to one
 #: passes while the target is absent; once it exists it is checked like any other.
 PENDING: dict[str, str] = {}
+
+#: README.md is rewritten on another branch, which also moves its links from docs/results/ to
+#: evidence/. Until that lands, README's links under the old prefix are checked at the new one
+#: (file and heading), so a wrong one still fails; test_readme_links_name_the_evidence_folder
+#: (a strict xfail) turns into a failure once README is updated: then delete this and that test.
+README_MOVED = ("docs/results/", "evidence/")
 
 LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
@@ -23,7 +32,7 @@ CODE_SPAN = re.compile(r"`[^`\n]*`")
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "evidence/README.md"]
 
 
 def lines_outside_fences(text: str) -> list[tuple[int, str]]:
@@ -66,16 +75,21 @@ def prose(page: Path) -> str:
     return "\n".join(CODE_SPAN.sub("", kept.get(n, "")) for n in range(1, len(lines) + 1))
 
 
-def broken_links(page: Path, root: Path = ROOT) -> list[str]:
-    """One line per relative link of ``page`` that does not resolve (link text may wrap)."""
-    problems = []
+def links(page: Path) -> list[tuple[int, str]]:
+    """Every link target of ``page`` outside code, with its line (link text may wrap)."""
     text = prose(page)
-    for match in LINK.finditer(text):
-        target = match[1]
+    return [(text.count("\n", 0, m.start(1)) + 1, m[1]) for m in LINK.finditer(text)]
+
+
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """One line per relative link of ``page`` that does not resolve."""
+    problems = []
+    for number, target in links(page):
         if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
-        number = text.count("\n", 0, match.start(1)) + 1
+        if page == root / "README.md" and path.startswith(README_MOVED[0]):
+            path = README_MOVED[1] + path.removeprefix(README_MOVED[0])
         where = f"{page.relative_to(root)}:{number}: {target}"
         resolved = (page.parent / path).resolve() if path else page
         if not resolved.is_relative_to(root):
@@ -91,6 +105,33 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
 def test_every_relative_link_resolves() -> None:
     problems = [problem for page in pages() for problem in broken_links(page)]
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_the_pages_checked_are_the_product_pages_and_the_evidence_index() -> None:
+    names = {page.relative_to(ROOT).as_posix() for page in pages()}
+    assert {"README.md", "docs/architecture.md", "docs/ci.md", "evidence/README.md"} <= names
+    assert all(page.is_file() for page in pages())
+    assert not any(name.startswith("evidence/") for name in names - {"evidence/README.md"})
+
+
+def test_the_evidence_index_links_every_dated_folder() -> None:
+    """Each dated folder under evidence/ has its page, and the index links it."""
+    index = ROOT / "evidence" / "README.md"
+    linked = {(index.parent / t.partition("#")[0]).resolve() for _, t in links(index)}
+    for folder in sorted(p for p in index.parent.iterdir() if p.is_dir()):
+        assert (folder / "README.md").is_file(), f"{folder.name} has no page"
+        assert (folder / "README.md").resolve() in linked, f"the index does not link {folder.name}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="README.md's rewrite (another branch) moves its links from docs/results/ to evidence/",
+)
+def test_readme_links_name_the_evidence_folder() -> None:
+    stale = [
+        f"README.md:{n}: {t}" for n, t in links(ROOT / "README.md") if t.startswith("docs/results")
+    ]
+    assert not stale, "links to the old location:\n" + "\n".join(stale)
 
 
 def test_the_check_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:
@@ -111,3 +152,19 @@ def test_the_check_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) ->
     assert len(problems) == 2, problems
     assert problems[0].endswith("no-such-page.md (no such file)")
     assert problems[1].endswith("(no heading #no-such-heading in docs/other.md)")
+
+
+def test_readmes_links_under_the_old_prefix_are_checked_at_the_new_one(tmp_path: Path) -> None:
+    """While README.md still names docs/results/, its links are checked under evidence/:
+    a page or heading missing there is reported."""
+    (tmp_path / "evidence" / "run").mkdir(parents=True)
+    (tmp_path / "evidence" / "run" / "README.md").write_text("# Run\n\n## Results\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "[ok](docs/results/run/README.md#results) [bad](docs/results/run/README.md#nope)\n"
+        "[bad](docs/results/gone/README.md)\n"
+    )
+    problems = broken_links(readme, tmp_path)
+    assert len(problems) == 2, problems
+    assert problems[0].endswith("(no heading #nope in evidence/run/README.md)")
+    assert problems[1].endswith("docs/results/gone/README.md (no such file)")
