@@ -584,7 +584,9 @@ def fake_context(git_mirror: tuple[Path, str], tmp_path_factory: pytest.TempPath
         cwd=ROOT, capture_output=True, check=True,
     ).stdout.decode().split("\0")  # fmt: skip
     for name in filter(None, files):
-        if (ROOT / name).is_file() and not name.startswith(("tests/", "docs/", ".github/")):
+        if (ROOT / name).is_file() and not name.startswith(
+            ("tests/", "docs/", "evidence/", ".github/")
+        ):
             (context / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, context / name)
     for name in ("pyproject.toml", "uv.lock"):

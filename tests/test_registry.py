@@ -94,10 +94,19 @@ def test_cli_lists_the_registry() -> None:
     ]
 
 
-# Where a backend name may appear: the registry itself, its tests, docs, the pins, the
-# Dockerfile's generated stages and default (checked against the registry); comments may name
-# one as an example. The workflows take their matrices from the registry.
-ALLOWED = ("docs/", "tests/", "README.md", "pyproject.toml", "uv.lock", "ep_image/backends/")
+# Where a backend name may appear: the registry itself, its tests, docs, the dated runs'
+# records, the pins, the Dockerfile's generated stages and default (checked against the
+# registry); comments may name one as an example. The workflows take their matrices from the
+# registry.
+ALLOWED = (
+    "docs/",
+    "evidence/",
+    "tests/",
+    "README.md",
+    "pyproject.toml",
+    "uv.lock",
+    "ep_image/backends/",
+)
 
 
 @pytest.mark.parametrize("name", backends.BACKEND_EXTRAS)
