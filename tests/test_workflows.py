@@ -429,7 +429,6 @@ def test_gpu_jobs_run_on_the_documented_labels() -> None:
         assert gpu_jobs, f"no job asks for the self-hosted runner labelled {label}"
         for job in gpu_jobs:
             assert job["runs-on"] == ["self-hosted", "linux", "x64", label]
-        assert f"self-hosted, linux, x64, {label}" in (ROOT / "docs" / "ci.md").read_text()
     shared = [j for _, j in jobs(wf) if "gpu-single" in (j.get("runs-on") or [])]
     assert all("--ranks-per-gpu" in str(j["steps"]) for j in shared)
     labels = yaml.safe_load((GITHUB / "actionlint.yaml").read_text())["self-hosted-runner"]
