@@ -1,0 +1,16 @@
+#!/usr/bin/env python3
+"""One manifest of what this environment holds: torch, NCCL, cuDNN, NVSHMEM, TE, each
+backend's build and commit (docs/probes.md).
+
+The front door of ``ep_image.probes.check_env``, which holds the implementation: it runs this
+checkout's package with whatever python runs this file.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
+
+from ep_image.probes.check_env import main  # noqa: E402
+
+sys.exit(main())

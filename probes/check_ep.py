@@ -1,0 +1,17 @@
+#!/usr/bin/env python3
+"""Prove that this environment's expert-parallel backend works: real buffers, dispatch and
+combine against a torch reference, gradients, replay, scenarios, bandwidth (docs/probes.md).
+Also under torchrun: ``torchrun --nproc-per-node 8 probes/check_ep.py``.
+
+The front door of ``ep_image.probes.check_ep``, which holds the implementation: it runs this
+checkout's package with whatever python runs this file.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
+
+from ep_image.probes.check_ep import main  # noqa: E402
+
+sys.exit(main())

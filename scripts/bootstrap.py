@@ -1,0 +1,16 @@
+#!/usr/bin/env python3
+"""The pinned uv (and, with --tests, the test tools) on a machine with only Python
+(README.md).
+
+The front door of ``ep_image.build_steps.bootstrap``, which holds the implementation: it runs this
+checkout's package with whatever python runs this file.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
+
+from ep_image.build_steps.bootstrap import main  # noqa: E402
+
+sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env python3
+"""Transformer Engine built from source against a venv's cuDNN; the wheel and te-build.json
+(docs/host-mode.md).
+
+The front door of ``ep_image.build_steps.build_te``, which holds the implementation: it runs this
+checkout's package with whatever python runs this file.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
+
+from ep_image.build_steps.build_te import main  # noqa: E402
+
+sys.exit(main())

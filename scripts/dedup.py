@@ -1,0 +1,15 @@
+#!/usr/bin/env python3
+"""Hardlink identical files across venvs; du before and after (docs/host-mode.md).
+
+The front door of ``ep_image.build_steps.dedup``, which holds the implementation: it runs this
+checkout's package with whatever python runs this file.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
+
+from ep_image.build_steps.dedup import main  # noqa: E402
+
+sys.exit(main())
