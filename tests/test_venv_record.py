@@ -74,3 +74,40 @@ def test_a_python_without_a_record_says_so() -> None:
     """The test runner's own venv was not made by make_venv: no record, and the report says so."""
     data = facts(Path(sys.executable))
     assert data["record"] is None and data["prefix"] == sys.prefix
+
+
+def test_the_interpreters_own_files_pass_and_a_distributions_package_beside_them_does_not(
+    venv: Path,
+) -> None:
+    """The base interpreter's standard library, reached through a link (Debian's
+    sitecustomize.py links into /etc), is the interpreter's; a package from a dist-packages or
+    site-packages directory under the same prefix (a distribution's numpy on PYTHONPATH) is
+    not, though both sit under the interpreter's prefix."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    hooks = [p for p in (stdlib / "sitecustomize.py",) if p.is_symlink()]
+    site = next(
+        (
+            d
+            for d in (*Path(sys.base_prefix).glob("lib/python3*/site-packages"),
+                      *Path(sys.base_prefix).glob("lib/python3/dist-packages"))
+            if any(d.glob("*.py")) or any(p.is_dir() and (p / "__init__.py").exists()
+                                          for p in d.iterdir())
+        ),
+        None,
+    )  # fmt: skip
+    if site is None:
+        pytest.skip("the interpreter's prefix has no populated site directory")
+    package = next(
+        p.stem if p.suffix == ".py" else p.name
+        for p in sorted(site.iterdir())
+        if (p.suffix == ".py" and p.stem.isidentifier() and not p.stem.startswith("_"))
+        or (p.is_dir() and (p / "__init__.py").is_file() and p.name.isidentifier())
+    )
+    extra = f"sys.path.append({str(site)!r}); import {package};" + "".join(
+        f" import {h.stem};" for h in hooks
+    )
+    loaded = facts(venv / "bin" / "python", extra)["loaded_outside_venv"]
+    assert any(m.startswith(f"{package}: {site}") for m in loaded["modules"]), loaded
+    assert not [m for m in loaded["modules"] if m.startswith("sitecustomize:")], loaded

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,20 @@ def _under(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+def _in_site_dir(path: str) -> bool:
+    """Under a site-packages or dist-packages directory: a distribution, never the interpreter."""
+    return "/site-packages/" in path or "/dist-packages/" in path
+
+
+def _interpreter_dirs() -> list[str]:
+    """The interpreter's own standard library (and its extension modules), as named and as
+    resolved: a distribution's Python puts site hooks there (Debian's sitecustomize.py is a
+    link into /etc), and those are the interpreter's, not something that shadows the venv."""
+    paths = sysconfig.get_paths()
+    named = {paths["stdlib"], paths["platstdlib"]}
+    return sorted({os.path.abspath(d) for d in named} | {os.path.realpath(d) for d in named})
+
+
 def loaded_outside(prefix: str | None = None, allowed: tuple[str, ...] = ()) -> dict[str, Any]:
     """What the process took from outside its venv: shared objects not under the venv (nor the
     system's library directories) and Python modules not under the venv (nor the interpreter's
@@ -78,7 +93,9 @@ def loaded_outside(prefix: str | None = None, allowed: tuple[str, ...] = ()) -> 
     lists empty: everything came from the venv."""
     root = os.path.realpath(prefix or sys.prefix)
     venv_roots = [root, os.path.abspath(prefix or sys.prefix)]
-    stdlib = [os.path.realpath(p) for p in {sys.base_prefix, sys.base_exec_prefix}]
+    stdlib = _interpreter_dirs()
+    # The interpreter's own libpython (a pyenv or standalone build keeps it in its prefix).
+    libdir = [os.path.realpath(d) for d in [sysconfig.get_config_var("LIBDIR")] if d]
     here = [os.path.realpath(SOURCE_ROOT)]  # ep_image itself
     here += [os.path.realpath(p) for p in allowed]
     objects = []
@@ -86,17 +103,20 @@ def loaded_outside(prefix: str | None = None, allowed: tuple[str, ...] = ()) -> 
         real = os.path.realpath(path)
         if ".so" not in Path(path).name or _under(real, venv_roots):
             continue
-        python_package = "/site-packages/" in real or "/dist-packages/" in real
-        if python_package or not (real.startswith(SYSTEM_PREFIXES) or _under(real, stdlib)):
+        interpreter = _under(real, stdlib + libdir) and not _in_site_dir(real)
+        if _in_site_dir(real) or not (real.startswith(SYSTEM_PREFIXES) or interpreter):
             objects.append(path)
     modules = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if not isinstance(file, str) or not os.path.isabs(file):
             continue  # built-in, or a pseudo-module (torch.classes names "_classes.py")
-        real = os.path.realpath(file)
-        if not _under(real, venv_roots + stdlib + here):
-            modules.append(f"{name}: {file}")
+        real, named = os.path.realpath(file), os.path.abspath(file)
+        if _under(real, venv_roots + here):
+            continue
+        if any(_under(p, stdlib) and not _in_site_dir(p) for p in (real, named)):
+            continue  # the interpreter's own standard library and site hooks
+        modules.append(f"{name}: {file}")
     return {"shared_objects": objects, "modules": sorted(modules)}
 
 
