@@ -28,7 +28,7 @@ _COPY_FILES_NOTE = "# hadolint ignore=DL3067"
 
 def backend_stage(spec: backends.BackendSpec) -> list[str]:
     """``ep-<backend>``: the backend's venv, completed in place from its skeleton in
-    ``venvs-common`` by ep_image.build.make_venv --complete (the same sync host mode runs).
+    ``venvs-common`` by ep_image.build_steps.make_venv --complete (the same sync host mode runs).
 
     Its cache key holds only what the venv is made from: ``venvs-common`` (the lock, the venv
     scripts, the TE record, VENV_SKIP_PACKAGES), and for a source build the arch list and job
@@ -45,7 +45,7 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
         f"RUN {_CACHE} \\",
         f"    {_SECRETS} \\",
         "    PYTHONPATH=/opt/ep-image /opt/ep-image/docker/with-secrets \\",
-        "    python3 -m ep_image.build.make_venv \\",
+        "    python3 -m ep_image.build_steps.make_venv \\",
         f"    --complete --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image \\",
         '    --no-install-packages "${VENV_SKIP_PACKAGES}"',
     ]
@@ -55,8 +55,8 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     """``files-<EP>`` and ``image-<EP>``: the selected venvs made usable (active backend, cuDNN
     order, image.json). One backend: FROM its stage, the venv in place, so changing EP to it
     costs only small layers. all: FROM venvs-common, each skeleton made equal to its
-    stage's venv (ep_image.build.tree_sync writes only the backend's own files), the unselected
-    skeletons removed: the shared files stay in venvs-common's layer, hardlinked.
+    stage's venv (ep_image.build_steps.tree_sync writes only the backend's own files), the
+    unselected skeletons removed: the shared files stay in venvs-common's layer, hardlinked.
 
     ``files-<EP>`` is what the image adds besides the venvs, taken in one COPY: the project's
     files (assemble-files) and each venv's ep-backend.json. The records change whenever a venv is
@@ -68,7 +68,7 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     for name in names:
         record = f"/opt/venvs/{name}/ep-backend.json"
         lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
-    run = "PYTHONPATH=/opt/ep-image python3 -m ep_image.build.image_stage assemble"
+    run = "PYTHONPATH=/opt/ep-image python3 -m ep_image.build_steps.image_stage assemble"
     start = f"ep-{names[0]}" if len(names) == 1 else "venvs-common"
     lines += [
         f"FROM {start} AS image-{value}",
@@ -77,14 +77,14 @@ def image_stage(value: str, names: list[str]) -> list[str]:
         f"COPY --from=files-{value} / /",
     ]
     if len(names) == 1:
-        return [*lines, f'RUN {run} --in-place --active "${{EP_ACTIVE}}" {names[0]}']
+        return [*lines, f"RUN {run} \\", f'    --in-place --active "${{EP_ACTIVE}}" {names[0]}']
     mounts = [
         f"--mount=type=bind,from=ep-{name},source=/opt/venvs,target=/mnt/ep-{name}"
         for name in names
     ]
     lines.append(f"RUN {mounts[0]} \\")
     lines += [f"    {mount} \\" for mount in mounts[1:]]
-    lines.append(f'    {run} --active "${{EP_ACTIVE}}" ' + " ".join(names))
+    lines += [f"    {run} \\", f'    --active "${{EP_ACTIVE}}" ' + " ".join(names)]
     return lines
 
 

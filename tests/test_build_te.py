@@ -1,4 +1,4 @@
-"""ep_image/build/build_te.py against real venvs made with uv (no mocks).
+"""ep_image/build_steps/build_te.py against real venvs made with uv (no mocks).
 
 What this proves: discovery finds the headers and libraries of the real nvidia-cudnn-cu13 wheel
 the lock pins (site-packages/nvidia/cudnn/{include,lib}) and reads its version from
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from ep_image.build import build_te
+from ep_image.build_steps import build_te
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = "ep_image.build.build_te"
+SCRIPT = "ep_image.build_steps.build_te"
 
 
 def locked_version(name: str) -> str:

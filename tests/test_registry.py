@@ -155,7 +155,7 @@ def test_a_variant_installs_its_backend_from_its_own_source() -> None:
 
 def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ep_image.build.make_venv", "--backend", "deepep_v1",
+        [sys.executable, "-m", "ep_image.build_steps.make_venv", "--backend", "deepep_v1",
          "--variant", "deepep_v2_pinned", "--prefix", str(tmp_path)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ep_image.build.te_wheels import TE_RECORD
-from ep_image.build.venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
+from ep_image.build_steps.te_wheels import TE_RECORD
+from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
 
 LDCONF = Path("/etc/ld.so.conf.d/000-ep-venv-cudnn.conf")
 SONAME = "libcudnn.so.9"
@@ -83,7 +83,7 @@ def stage(prefix: Path) -> dict[str, object]:
         base = base_image_cudnn(prefix)
         return {"staged": False, "reason": str(err), "base_image": base}
     link = link_active(prefix, venv, cudnn.root)
-    LDCONF.write_text(f"# venv cuDNN first (ep_image.build.stage_cudnn)\n{link / 'lib'}\n")
+    LDCONF.write_text(f"# venv cuDNN first (ep_image.build_steps.stage_cudnn)\n{link / 'lib'}\n")
     subprocess.run(["ldconfig"], check=True)
     entries = ldconfig_entries(SONAME)
     if not entries or not entries[0].startswith(str(link)):

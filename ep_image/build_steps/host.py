@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from ep_image import backends as ep_backends
 from ep_image import child_env
-from ep_image.build import dedup
+from ep_image.build_steps import dedup
 from ep_image.tools import USE_EP
 
 #: What the user ran: the ep-host entry point, or scripts/build_host.sh (which runs this module).
@@ -36,9 +36,10 @@ Build EP backend venvs under DIR (one per backend, from the committed uv.lock), 
 identical files across them, so all of them cost about as much disk as one."""
 EPILOG = """\
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
-Needs: uv (on PATH, or installed by python3 -m ep_image.build.bootstrap), Python >= 3.11 to run
-the scripts (PYTHON=..., else python3, else uv's). Every step is ep_image/build/make_venv.py, the
-command the image's ep-<backend> stages run too: HybridEP's NVSHMEM set-up included.
+Needs: uv (on PATH, or installed by python3 -m ep_image.build_steps.bootstrap), Python >= 3.11
+to run the scripts (PYTHON=..., else python3, else uv's). Every step is
+ep_image/build_steps/make_venv.py, the command the image's ep-<backend> stages run too: HybridEP's
+NVSHMEM set-up included.
 docs/host-mode.md is the guide."""
 
 
@@ -78,7 +79,7 @@ def build_parser() -> HostParser:
         metavar=VALUES["--te-wheel"],
         action="append",
         default=[],
-        help="Transformer Engine wheel from ep_image/build/build_te.py, put in every venv",
+        help="Transformer Engine wheel from ep_image/build_steps/build_te.py, put in every venv",
     )
     parser.add_argument(
         "--python",
@@ -144,7 +145,7 @@ def build(args: argparse.Namespace, prefix: Path) -> int:
     # Copies, not links into uv's cache: the prefix then stands alone (the cache may be on another
     # filesystem, be pruned, or belong to someone else), and dedup.py does the sharing, within it.
     env = child_env({**os.environ, "UV_LINK_MODE": os.environ.get("UV_LINK_MODE") or "copy"})
-    make_venv = [sys.executable, "-m", "ep_image.build.make_venv", "--backend", args.backends]
+    make_venv = [sys.executable, "-m", "ep_image.build_steps.make_venv", "--backend", args.backends]
     make_venv += ["--prefix", str(prefix), "--keep-going"]
     make_venv += [f"--python={args.python}"] if args.python else []
     make_venv += [f"--project={args.project}"] if args.project else []

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "another prefix). These are the books dedup.py keeps before and after it "
             "links; this command only reads."
         ),
-        epilog="Example: python3 -m ep_image.build.dedup_tree /opt/venvs/*/",
+        epilog="Example: python3 -m ep_image.build_steps.dedup_tree /opt/venvs/*/",
     )
     parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to count")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")

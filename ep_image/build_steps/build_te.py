@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT, tools
-from ep_image.build import lock_sync
-from ep_image.build.te_wheels import TE_DISTRIBUTION, TE_RECORD
-from ep_image.build.uv_run import BuildError, tail
-from ep_image.build.venv_cudnn import Cudnn, CudnnError, dist_version, find_cudnn
+from ep_image.build_steps import lock_sync
+from ep_image.build_steps.te_wheels import TE_DISTRIBUTION, TE_RECORD
+from ep_image.build_steps.uv_run import BuildError, tail
+from ep_image.build_steps.venv_cudnn import Cudnn, CudnnError, dist_version, find_cudnn
 from ep_image.project import (
     PinError,
     VenvError,
@@ -420,7 +420,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             f"(its nvidia-cudnn-cu13 wheel) and record that cuDNN in OUT/{TE_RECORD}."
         ),
         epilog=(
-            "example: python3 -m ep_image.build.build_te --venv .venv "
+            "example: python3 -m ep_image.build_steps.build_te --venv .venv "
             "--source ../TransformerEngine "
             '--arch-list "9.0;10.0" --jobs 8 --out dist/te'
         ),
@@ -633,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     not the base image's copy; the image then loads that same cuDNN first, stage_cudnn.py):
 
     1. find that cuDNN in the venv (``site-packages/nvidia/cudnn/{include,lib}``) and read its
-       version from ``cudnn_version.h`` (ep_image/build/venv_cudnn.py);
+       version from ``cudnn_version.h`` (ep_image/build_steps/venv_cudnn.py);
     2. check that the TE source tree holds what TE's CMake needs (its git submodules are missing
        from plain snapshots) and, where only the cuDNN frontend headers are missing, point TE at
        the ``nvidia-cudnn-frontend`` wheel the lock pins;
@@ -648,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``--mode skip``) writes a ``te-build.json`` that records that TE was not built (CPU-only
     test images). Host mode and the image's ``te`` stage run this same command. Without
     ``--venv`` it makes a throwaway venv from the lock (the ``moe`` extra without
-    transformer-engine, ep_image/build/lock_sync.py); without a TE checkout (``--source``
+    transformer-engine, ep_image/build_steps/lock_sync.py); without a TE checkout (``--source``
     omitted, or ``--clone-unless-source`` and a directory without setup.py, as the image's
     default TE_SOURCE) it clones the git URL and commit pyproject.toml pins, through any
     ``url.<mirror>.insteadOf`` of the git config. Both are deleted when the build ends. Only

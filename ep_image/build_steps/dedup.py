@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ep_image.build import dedup_tree
-from ep_image.build.dedup_tree import MODES_JOURNAL, WRITE_BITS, Tree
+from ep_image.build_steps import dedup_tree
+from ep_image.build_steps.dedup_tree import MODES_JOURNAL, WRITE_BITS, Tree
 
 #: Paths (relative to a root; a pattern without "/" matches the file name) never linked by
 #: default: small files that tools rewrite in place, where a shared inode would leak a write.
@@ -289,9 +289,9 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
         if not modes:
             continue
         record = {
-            "written_by": "python3 -m ep_image.build.dedup --read-only",
+            "written_by": "python3 -m ep_image.build_steps.dedup --read-only",
             "meaning": "the modes of these files before their write bits were cleared; a "
-            "run of python3 -m ep_image.build.dedup on this ROOT gives them back and removes "
+            "run of python3 -m ep_image.build_steps.dedup on this ROOT gives them back and removes "
             "this file",
             "modes": modes,
         }
@@ -680,7 +680,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             "Exit codes: 0 done; 1 some files could not be linked or hardlink stopped early "
             "(listed; run again to finish); 2 refused before changing anything (bad ROOT, "
             "ROOTs on different filesystems, no util-linux hardlink >= 2.38). "
-            "Example: python3 -m ep_image.build.dedup --json /tmp/dedup.json /opt/venvs/one "
+            "Example: python3 -m ep_image.build_steps.dedup --json /tmp/dedup.json /opt/venvs/one "
             "/opt/venvs/two"
         ),
     )
@@ -726,7 +726,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def command(*args: str | os.PathLike[str]) -> list[str]:
     """How another build step runs dedup: in a process of its own (run it with
     ``ep_image.child_env()``), so that its report and exit code are dedup's own."""
-    return [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
+    return [sys.executable, "-m", "ep_image.build_steps.dedup", *map(str, args)]
 
 
 def main(argv: list[str] | None = None) -> int:

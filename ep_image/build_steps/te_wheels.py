@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ep_image.build.uv_run import BuildError, run
+from ep_image.build_steps.uv_run import BuildError, run
 from ep_image.project import sha256_file
 
 TE_DISTRIBUTION = "transformer-engine"
@@ -52,7 +52,7 @@ def recorded_te_wheels(record_path: Path, wheel_dir: Path) -> list[Path]:
         raise BuildError(
             f"{wheel} is {'not the wheel' if wheel.is_file() else 'missing, but'} "
             f"{record_path} records (sha256 {record.get('wheel_sha256')}). Fix: rebuild TE "
-            "with python3 -m ep_image.build.build_te --out DIR and pass that DIR"
+            "with python3 -m ep_image.build_steps.build_te --out DIR and pass that DIR"
         )
     return [wheel.resolve()]
 

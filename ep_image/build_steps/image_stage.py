@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT, backends, child_env
-from ep_image.build import dedup, stage_cudnn, tree_sync
+from ep_image.build_steps import dedup, stage_cudnn, tree_sync
 from ep_image.project import SKELETON_RECORD as SKELETON_FILE
 from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import write_json

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import child_env, source_build
-from ep_image.build import dedup as dedup_step
-from ep_image.build import lock_sync
-from ep_image.build.atomic_venv import (
+from ep_image.build_steps import dedup as dedup_step
+from ep_image.build_steps import lock_sync
+from ep_image.build_steps.atomic_venv import (
     assert_relocated,
     building,
     move_into_place,
@@ -29,23 +29,23 @@ from ep_image.build.atomic_venv import (
     prepare_prefix,
     remove_stale,
 )
-from ep_image.build.backend_sync import sync_backend
-from ep_image.build.bytecode import (
+from ep_image.build_steps.backend_sync import sync_backend
+from ep_image.build_steps.bytecode import (
     compile_bytecode,
     compile_new_sources,
     python_sources,
     wants_bytecode,
 )
-from ep_image.build.te_wheels import (
+from ep_image.build_steps.te_wheels import (
     TE_DISTRIBUTION,
     TE_DISTRIBUTIONS,
     TE_RECORD,
     install_te,
     select_te_wheels,
 )
-from ep_image.build.uv_run import BuildError, tail, uv_executable
-from ep_image.build.venv_checks import check_abi, verify_backend
-from ep_image.build.venv_record import (
+from ep_image.build_steps.uv_run import BuildError, tail, uv_executable
+from ep_image.build_steps.venv_checks import check_abi, verify_backend
+from ep_image.build_steps.venv_record import (
     SKELETONS_RECORD,
     build_info,
     installed_distributions,
@@ -101,9 +101,9 @@ def one_build(prefix: Path, name: str) -> Iterator[None]:
 
 
 def dedup_venvs(*venvs: Path) -> dict[str, object]:
-    """Hardlink identical files inside and across ``venvs`` (ep_image/build/dedup.py), in the layer
-    that wrote them: the image asks for it, because linking in a later layer would copy each
-    kept file up instead of saving anything."""
+    """Hardlink identical files inside and across ``venvs`` (ep_image/build_steps/dedup.py), in
+    the layer that wrote them: the image asks for it, because linking in a later layer would
+    copy each kept file up instead of saving anything."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "dedup.json"
         cmd = dedup_step.command("--json", report, *venvs)
@@ -216,8 +216,8 @@ def build_skeletons(uv: str, opts: Options) -> list[Path]:
     """``--skeleton``: every backend the project defines, without its own distribution,
     hardlinked together, so the shared files sit once in a layer below every ``ep-<backend>``
     stage and an image with several backends copies only what differs
-    (ep_image/build/image_stage.py). The record says which; backends the project lacks (a fork,
-    a test) are skipped."""
+    (ep_image/build_steps/image_stage.py). The record says which; backends the project lacks
+    (a fork, a test) are skipped."""
     built, absent = [], {}
     for name in opts.backends:
         try:
@@ -254,7 +254,7 @@ def check_inputs(opts: Options) -> None:
         if not wheel.is_file():
             raise BuildError(
                 f"--te-wheel {wheel} not found: build it first with "
-                "python3 -m ep_image.build.build_te"
+                "python3 -m ep_image.build_steps.build_te"
             )
 
 
@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             f"Backends: {ep_backends.valid_names_text()}. Exit codes: 0 built; 1 the build "
             "failed (nothing left behind); 2 bad usage (e.g. an unknown backend). Example: "
-            f"python3 -m ep_image.build.make_venv --backend {ep_backends.DEFAULT_BACKEND} "
+            f"python3 -m ep_image.build_steps.make_venv --backend {ep_backends.DEFAULT_BACKEND} "
             "--prefix /opt/venvs "
             "--te-wheel /wheels/transformer_engine-2.17.0-cp312-cp312-linux_x86_64.whl"
         ),

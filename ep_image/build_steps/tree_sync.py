@@ -218,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             "hardlinked elsewhere keeps its content there. The source is checked first: a "
             "FIFO, socket, device, unreadable file or unlistable directory in it refuses the "
             "sync before anything is written. rsync -a --delete, without needing rsync; the "
-            "image's multi-backend stage uses it (python3 -m ep_image.build.image_stage)."
+            "image's multi-backend stage uses it (python3 -m ep_image.build_steps.image_stage)."
         ),
         epilog=(
             "Exit codes: 0 equal now; 1 refused or failed (the message names the path and the "
-            "fix); 2 bad usage. Example: python3 -m ep_image.build.tree_sync "
+            "fix); 2 bad usage. Example: python3 -m ep_image.build_steps.tree_sync "
             "/mnt/ep-BACKEND/BACKEND /opt/venvs/BACKEND"
         ),
     )
