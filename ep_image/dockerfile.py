@@ -84,7 +84,7 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     ]
     lines.append(f"RUN {mounts[0]} \\")
     lines += [f"    {mount} \\" for mount in mounts[1:]]
-    lines += [f"    {run} \\", f'    --active "${{EP_ACTIVE}}" ' + " ".join(names)]
+    lines += [f"    {run} \\", '    --active "${EP_ACTIVE}" ' + " ".join(names)]
     return lines
 
 

@@ -246,8 +246,8 @@ def test_json_path_that_cannot_be_written_is_refused_before_linking(tmp_path: Pa
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert TRACEBACK not in proc.stderr
-    assert "Nothing was changed" in proc.stderr
-    assert last_line(proc.stderr).startswith("dedup: fix: give --json")
+    assert last_line(proc.stderr).startswith("dedup: usage error: argument --json")
+    assert "give a path in a directory you can write" in last_line(proc.stderr)
     assert (inodes(a), inodes(b)) == state, "files were linked before the refusal"
 
     # A directory that does not exist yet is made, as the probes' --json does.
@@ -363,7 +363,7 @@ def test_dedup_tree_has_a_command_line_whose_figures_are_dus(tmp_path: Path) -> 
     os.link(a / "lib/dup1.bin", b / "lib/extra.bin")
     script = [sys.executable, "-m", "ep_image.build_steps.dedup_tree"]
     helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
-    assert helped.returncode == 0 and "usage: dedup_tree.py" in helped.stdout
+    assert helped.returncode == 0 and "usage: dedup_tree " in helped.stdout
     assert "du -sxcB1" in helped.stdout
 
     proc = subprocess.run([*script, "--json", a, b], capture_output=True, text=True)
