@@ -1,6 +1,7 @@
 """The expert-parallel (EP) backend registry: one module per backend, one place for each fact.
 
-Each module here (``deepep_v1.py``, ...) declares its backend's ``SPEC``; this package collects
+Each module here (``deepep_v1.py``, ...) declares its backend's ``SPEC`` (a backend with code of
+its own is a package: ``hybridep/__init__.py``, beside its JIT cache); this package collects
 them and answers every question the build, the probes, the Dockerfile's generated stages and the
 workflows ask about backends. Pins are not here: they are read from pyproject.toml. Adding a
 backend and what else it touches: docs/architecture.md.
@@ -41,11 +42,17 @@ ALL = "all"
 
 
 def _discover() -> tuple[BackendSpec, ...]:
-    """Every backend module's SPEC, in module-name order: that order is the registry's."""
-    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    """Every backend module's SPEC, in module-name order: that order is the registry's. A
+    backend with code of its own beside its SPEC is a package (its ``__init__.py`` holds it)."""
+    found_modules = sorted(
+        (m.name, m.ispkg) for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")
+    )
+    names = [name for name, _ in found_modules]
     specs = tuple(importlib.import_module(f"{__name__}.{name}").SPEC for name in names)
-    for name, found in zip(names, specs, strict=True):
-        where = f"ep_image/backends/{name}.py"
+    for (name, package), found in zip(found_modules, specs, strict=True):
+        where = (
+            f"ep_image/backends/{name}/__init__.py" if package else f"ep_image/backends/{name}.py"
+        )
         if found.name != name or "-" in name:
             raise RuntimeError(f"{where}: SPEC.name must be the module's name, without '-'")
         if found.internode_check not in ("", *INTERNODE_CHECKS):
@@ -57,8 +64,8 @@ def _discover() -> tuple[BackendSpec, ...]:
     return specs
 
 
-#: The backends, one module each (ep_image/backends/<name>.py), in the order scripts build
-#: and list them.
+#: The backends, one module each (ep_image/backends/<name>.py, or <name>/__init__.py), in the
+#: order scripts build and list them.
 SPECS: tuple[BackendSpec, ...] = _discover()
 
 #: The backend an image or host prefix makes active when nothing else is asked for, and the
