@@ -356,14 +356,20 @@ def test_build_host_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
     the argument, exit 2, before anything is made."""
     prefix = tmp_path / "venvs"
     cases = [
-        ((), "build_host.sh: --prefix DIR (or EP_PREFIX) is required"),
-        (("--prefix",), "build_host.sh: --prefix needs DIR"),
-        (("--prefix", prefix, "--backends"), "build_host.sh: --backends needs LIST"),
-        (("--prefix", prefix, "--te-wheel"), "build_host.sh: --te-wheel needs PATH"),
-        (("--prefix", prefix, "--activate"), "build_host.sh: --activate needs BACKEND"),
-        (("--prefix", prefix, "--bogus"), "build_host.sh: unknown argument --bogus"),
-        (("--prefix", prefix, "stray"), "build_host.sh: unknown argument stray"),
-        (("--pre", prefix), "build_host.sh: unknown argument --pre"),  # no abbreviations
+        ((), "build_host.sh: usage error: --prefix DIR (or EP_PREFIX) is required"),
+        (("--prefix",), "build_host.sh: usage error: --prefix needs DIR"),
+        (("--prefix", prefix, "--backends"), "build_host.sh: usage error: --backends needs LIST"),
+        (("--prefix", prefix, "--te-wheel"), "build_host.sh: usage error: --te-wheel needs PATH"),
+        (
+            ("--prefix", prefix, "--activate"),
+            "build_host.sh: usage error: --activate needs BACKEND",
+        ),
+        (("--prefix", prefix, "--bogus"), "build_host.sh: usage error: unknown argument --bogus"),
+        (("--prefix", prefix, "stray"), "build_host.sh: usage error: unknown argument stray"),
+        (
+            ("--pre", prefix),
+            "build_host.sh: usage error: unknown argument --pre",
+        ),  # no abbreviations
     ]
     for args, says in cases:
         proc = build_host(*args)
@@ -389,7 +395,7 @@ def test_build_host_help_and_the_module_behind_it(tmp_path: Path) -> None:
     proc = subprocess.run(host, capture_output=True, text=True,
                           env=host_env(EP_PREFIX=str(a_file)))  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"build_host.sh: cannot create --prefix {a_file}" in proc.stderr
+    assert f"build_host.sh: error: cannot create --prefix {a_file}" in proc.stderr
     # An unknown backend is make_venv's usage error (exit 2): passed on, after the summary.
     prefix = tmp_path / "venvs"
     proc = subprocess.run(host, capture_output=True, text=True,

@@ -15,8 +15,11 @@ import os
 import shutil
 import stat
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ep_image import cli
 
 #: At most this many problems of the source are listed (then how many more).
 _LISTED = 20
@@ -206,9 +209,9 @@ def _sync_file(
     report.bytes_written += src.st_size
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tree_sync.py",
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
+        prog="tree_sync",
         description=(
             "Make TARGET equal to SOURCE, writing only the entries that differ: the same "
             "paths and types, files of the same size, mode and owner with the same mtime "
@@ -228,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("source", type=Path, metavar="SOURCE", help="the tree to copy")
     parser.add_argument("target", type=Path, metavar="TARGET", help="made equal to SOURCE")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         report = sync_tree(args.source, args.target)
     except SyncError as exc:
@@ -244,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"tree_sync: {args.source} -> {args.target}: {report.summary()}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run("tree_sync", parse_args, run, argv)
 
 
 if __name__ == "__main__":
