@@ -112,8 +112,9 @@ def check_extension(venv: Path) -> dict[str, object]:
             f"{extension.name} has runpath {':'.join(dynamic.runpath) or '(none)'}, without "
             f"{RUNPATH} (or {target} is missing): it would look for {needed} in a directory "
             "that does not outlive the build. This is a wheel uv built without "
-            "python3 -m ep_image.build.make_venv's NVSHMEM set-up and kept in its cache. Fix: "
-            "`uv cache clean deep-ep`, then rebuild with python3 -m ep_image.build.make_venv."
+            "python3 -m ep_image.build_steps.make_venv's NVSHMEM set-up and kept in its cache. "
+            "Fix: `uv cache clean deep-ep`, then rebuild with "
+            "python3 -m ep_image.build_steps.make_venv."
         )
     return asdict(
         ExtensionCheck(extension.name, needed, dynamic.runpath, str(target.relative_to(site)))

@@ -16,8 +16,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-# A venv's record, written by ep_image/build/make_venv.py and read by the image's steps: a finished
-# backend venv, or (venvs-common) a skeleton without its backend's distribution.
+# A venv's record, written by ep_image/build_steps/make_venv.py and read by the image's steps: a
+# finished backend venv, or (venvs-common) a skeleton without its backend's distribution.
 VENV_RECORD = "ep-backend.json"
 SKELETON_RECORD = "ep-skeleton.json"
 
@@ -119,6 +119,7 @@ def site_packages(venv: Path) -> Path:
     if len(found) != 1:
         raise VenvError(
             f"{venv}: expected one lib/python3*/site-packages, found {len(found)}: is it a venv? "
-            "Create it with python3 -m ep_image.build.make_venv or `uv sync --extra <backend>`."
+            "Create it with python3 -m ep_image.build_steps.make_venv or "
+            "`uv sync --extra <backend>`."
         )
     return found[0]

@@ -3,8 +3,8 @@
 Why: uv.lock was written by one uv release, and CI, the image and the README install exactly
 that one. The version is written here once; ``.ci/run``, ci.yml, the Dockerfile's ``UV_VERSION``
 ARG and README repeat it for tools that cannot import Python, and a test holds them equal.
-``ep_image/build/bootstrap.py`` installs it where none is on PATH; ``find_uv`` looks there too, so a
-command chained after the bootstrap finds it without touching PATH.
+``ep_image/build_steps/bootstrap.py`` installs it where none is on PATH; ``find_uv`` looks there
+too, so a command chained after the bootstrap finds it without touching PATH.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def find_uv() -> str:
         return str(candidate)
     raise ToolError(
         f"uv not found on PATH. Install uv {UV_VERSION}, the version that wrote uv.lock and that "
-        "README and CI use: `python3 -m ep_image.build.bootstrap` "
+        "README and CI use: `python3 -m ep_image.build_steps.bootstrap` "
         f"(from PyPI, into {candidate.parent}), "
         f"or `python3 -m pip install uv=={UV_VERSION}`"
     )

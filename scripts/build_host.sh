@@ -1,7 +1,7 @@
 #!/bin/sh
 # build_host.sh: host mode, for clusters without Docker (enroot, Apptainer, plain Slurm nodes).
 #
-# The work is ep_image/build/host.py (ep_image.build.make_venv for each backend, dedup across
+# The work is ep_image/build_steps/host.py (ep_image.build_steps.make_venv for each backend, dedup across
 # them, use-ep; `build_host.sh --help`, docs/host-mode.md). This finds a Python >= 3.11 to run
 # it: $PYTHON, else python3 when new enough (a cluster's is often older), else uv's.
 set -eu
@@ -12,11 +12,11 @@ PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH
 
 if [ -n "${PYTHON:-}" ]; then
-    exec "$PYTHON" -m ep_image.build.host "$@"
+    exec "$PYTHON" -m ep_image.build_steps.host "$@"
 elif python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    exec python3 -m ep_image.build.host "$@"
+    exec python3 -m ep_image.build_steps.host "$@"
 elif command -v uv >/dev/null; then
-    exec uv run --no-project --python '>=3.11' python -m ep_image.build.host "$@"
+    exec uv run --no-project --python '>=3.11' python -m ep_image.build_steps.host "$@"
 fi
-echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 -m ep_image.build.bootstrap" >&2
+echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 -m ep_image.build_steps.bootstrap" >&2
 exit 1

@@ -152,8 +152,8 @@ def tree_differences(left: Path, right: Path) -> list[str]:
 
 
 def run_dedup(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m ep_image.build.dedup ARGS`` as a user runs it."""
-    cmd = [sys.executable, "-m", "ep_image.build.dedup", *map(str, args)]
+    """``python -m ep_image.build_steps.dedup ARGS`` as a user runs it."""
+    cmd = [sys.executable, "-m", "ep_image.build_steps.dedup", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 

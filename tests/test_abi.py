@@ -18,7 +18,7 @@ import pytest
 from _venv_helpers import build_wheel, make_uv_venv, site_packages, uv
 
 from ep_image import abi
-from ep_image.build import check_installed
+from ep_image.build_steps import check_installed
 
 #: What tokenspeed-deepep 1.2.1's extension needs and torch 2.14.1's libc10 no longer exports.
 COW = "_ZN3c104impl3cow23materialize_cow_storageERNS_11StorageImplE"
@@ -225,7 +225,7 @@ def test_make_venv_refuses_a_venv_that_would_not_import(
     )
     uv("lock", "--project", str(project))
     prefix = tmp_path / "venvs"
-    make_venv = [sys.executable, "-m", "ep_image.build.make_venv", "--backend", "deepep_v1"]
+    make_venv = [sys.executable, "-m", "ep_image.build_steps.make_venv", "--backend", "deepep_v1"]
     args = ["--prefix", str(prefix), "--project", str(project), "--python", sys.executable]
 
     proc = subprocess.run([*make_venv, *args], capture_output=True, text=True, timeout=1800)

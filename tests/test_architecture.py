@@ -21,9 +21,9 @@ def module_name(path: Path) -> str:
 
 
 def room(module: str) -> str:
-    """``build`` or ``probes`` for their subpackages; ``library`` for the rest of ep_image."""
+    """``build_steps`` or ``probes`` for their subpackages; ``library`` for the rest of ep_image."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ("build", "probes") else "library"
+    return parts[1] if len(parts) > 1 and parts[1] in ("build_steps", "probes") else "library"
 
 
 def imports(path: Path) -> list[str]:
@@ -60,7 +60,7 @@ def test_nothing_edits_sys_path(path: Path) -> None:
 
 def test_the_layout_test_sees_every_room() -> None:
     rooms = {room(module_name(p)) for p in MODULES}
-    assert rooms == {"library", "build", "probes"}
+    assert rooms == {"library", "build_steps", "probes"}
     assert any(room(n) == "library" for p in MODULES for n in imports(p) if "probes" in str(p))
 
 

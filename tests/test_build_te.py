@@ -1,4 +1,4 @@
-"""ep_image/build/build_te.py against real venvs made with uv (no mocks).
+"""ep_image/build_steps/build_te.py against real venvs made with uv (no mocks).
 
 What this proves: discovery finds the headers and libraries of the real nvidia-cudnn-cu13 wheel
 the lock pins (site-packages/nvidia/cudnn/{include,lib}) and reads its version from
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from ep_image.build import build_te
+from ep_image.build_steps import te_environment, te_source, venv_cudnn
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = "ep_image.build.build_te"
+SCRIPT = "ep_image.build_steps.build_te"
 
 
 def locked_version(name: str) -> str:
@@ -95,7 +95,7 @@ def parse_exports(stdout: str) -> dict[str, str]:
 
 
 def test_discovery_finds_the_wheels_headers_libs_and_version(cudnn_venv: Path) -> None:
-    cudnn = build_te.find_cudnn(cudnn_venv)
+    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
     site = next(cudnn_venv.glob("lib/python3*/site-packages"))
     assert cudnn.root == site / "nvidia" / "cudnn"
     assert (cudnn.include / "cudnn.h").is_file()
@@ -135,7 +135,7 @@ def test_dry_run_prints_the_exact_environment_and_command(cudnn_venv: Path, tmp_
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout)
     env = parse_exports(result.stdout)
-    cudnn = build_te.find_cudnn(cudnn_venv)
+    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
     assert env["CUDNN_PATH"] == env["CUDNN_HOME"] == str(cudnn.root)
     assert env["CUDNN_INCLUDE_PATH"] == str(cudnn.include)
     assert env["CUDNN_LIBRARY_PATH"] == str(cudnn.lib)
@@ -210,17 +210,17 @@ def test_skip_records_that_te_was_not_built(tmp_path: Path) -> None:
 
 
 def test_arch_list_conversion_and_errors() -> None:
-    assert build_te.nvte_archs("9.0;10.0") == "90;100"
-    assert build_te.nvte_archs("9.0 10.0a") == "90;100a"
-    with pytest.raises(build_te.BuildTeError, match="compute capabilities"):
-        build_te.nvte_archs("sm_90")
+    assert te_environment.nvte_archs("9.0;10.0") == "90;100"
+    assert te_environment.nvte_archs("9.0 10.0a") == "90;100a"
+    with pytest.raises(te_source.BuildTeError, match="compute capabilities"):
+        te_environment.nvte_archs("sm_90")
 
 
 def test_source_commit_must_match_the_pin() -> None:
     record = {"te_commit_pinned": "a" * 40, "te_commit_source": "b" * 40}
-    with pytest.raises(build_te.BuildTeError, match=r"pyproject\.toml pins"):
-        build_te.check_pins(record)
-    build_te.check_pins({"te_commit_pinned": "a" * 40, "te_commit_source": None})
+    with pytest.raises(te_source.BuildTeError, match=r"pyproject\.toml pins"):
+        te_source.check_pins(record)
+    te_source.check_pins({"te_commit_pinned": "a" * 40, "te_commit_source": None})
 
 
 def fake_te_project(tmp_path: Path) -> tuple[Path, str]:
@@ -256,8 +256,8 @@ def test_clone_of_the_pin_goes_through_the_git_config(
     )
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    dest = build_te.clone_pinned(project, tmp_path / "src")
-    assert build_te.source_commit(dest) == commit
+    dest = te_source.clone_pinned(project, tmp_path / "src")
+    assert te_source.source_commit(dest) == commit
     config.write_text('[url "file:///nonexistent/"]\n\tinsteadOf = https://github.com/\n')
-    with pytest.raises(build_te.BuildTeError, match="gitconfig secret"):
-        build_te.clone_pinned(project, tmp_path / "src2")
+    with pytest.raises(te_source.BuildTeError, match="gitconfig secret"):
+        te_source.clone_pinned(project, tmp_path / "src2")

@@ -1,4 +1,5 @@
-"""ep_image/build/check_installed.py's library check against real ELF files and the real loader.
+"""ep_image/build_steps/check_installed.py's library check against real ELF files and the real
+loader.
 
 Every library here is built by gcc in the test: an extension reaching its dependency through
 RUNPATH ``$ORIGIN`` outside site-packages, one whose dependency exists only as a same-named
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ep_image import ld_trace
-from ep_image.build import check_installed
+from ep_image.build_steps import check_installed
 
 EXT = "deep_ep_cpp.cpython-311-x86_64-linux-gnu.so"
 

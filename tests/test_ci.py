@@ -21,7 +21,7 @@ from ep_image import backends, tools
 ROOT = Path(__file__).resolve().parents[1]
 
 
-BOOTSTRAP = "ep_image.build.bootstrap"
+BOOTSTRAP = "ep_image.build_steps.bootstrap"
 
 
 def readme_command(label: str) -> str:
@@ -33,7 +33,7 @@ def readme_command(label: str) -> str:
 
 def test_ci_run_runs_readmes_test_command() -> None:
     command = readme_command("The tests")
-    assert command.startswith("python3 -m ep_image.build.bootstrap --tests -- uv run")
+    assert command.startswith("python3 -m ep_image.build_steps.bootstrap --tests -- uv run")
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert any(line.startswith(command + " ") or line == command for line in lines), (
         f".ci/run does not run README's test command: {command}"
@@ -45,7 +45,9 @@ def test_the_main_job_installs_uv_then_builds_then_probes() -> None:
     from the lock, then a probe from that venv's bin/, each naming something that exists."""
     steps = [step.split() for step in readme_command("The main job").split("&&")]
     modules = [s[2] for s in steps if s[:2] == ["python3", "-m"]]
-    assert modules[:2] == ["ep_image.build.bootstrap", "ep_image.build.make_venv"], steps
+    assert modules[:2] == ["ep_image.build_steps.bootstrap", "ep_image.build_steps.make_venv"], (
+        steps
+    )
     for module in modules:
         assert importlib.util.find_spec(module) is not None, module
     build = steps[1]

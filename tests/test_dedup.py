@@ -1,4 +1,4 @@
-"""ep_image/build/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
+"""ep_image/build_steps/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
 
 The venvs are made with UV_LINK_MODE=copy: every file a separate copy. Each test states one rule
 of docs/host-mode.md ("Deduplicating venvs") and checks it against an independent measurement:
@@ -38,7 +38,7 @@ from _venv_helpers import (
     uv,
 )
 
-from ep_image.build import dedup, dedup_tree
+from ep_image.build_steps import dedup, dedup_tree
 
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534

@@ -1,4 +1,4 @@
-"""ep_image/hybridep_jit.py on real files and real processes.
+"""ep_image/backends/hybridep/jit_cache.py (and its modules) on real files and real processes.
 
 Why these tests: the cache's promises are about processes that run at the same time, die
 half-way or come from another build: ranks that publish together, a third that starts warm, a
@@ -32,14 +32,15 @@ from typing import Any
 import pytest
 from conftest import ROOT, clean_env
 
-from ep_image import hybridep_jit as jit
+from ep_image.backends.hybridep import cache_key, kernel_files, proc_dirs
+from ep_image.backends.hybridep import jit_cache as jit
 
 # A child that does what a rank does: prepare, list what HybridEPBuffer(load_cached_kernels=True)
 # would load, compile (nvcc's output file, renamed to <key>.so after dlopen), publish, exit.
 CHILD = r"""
 import json, os, sys, time
 from pathlib import Path
-from ep_image import hybridep_jit as jit
+from ep_image.backends.hybridep import jit_cache as jit, kernel_files
 
 cfg = json.loads(sys.argv[1])
 if cfg.get("pause_copy"):
@@ -48,7 +49,7 @@ if cfg.get("pause_copy"):
         os.write(fd, data[: len(data) // 2])
         Path(cfg["pause_copy"]).write_text("paused")
         time.sleep(120)
-    jit._copy_bytes = paused
+    kernel_files._copy_bytes = paused
 cache = jit.prepare(arch=cfg.get("arch"), package_dir=cfg["package_dir"])
 loaded = sorted(p.name for p in cache.jit_dir.iterdir() if p.suffix == ".so")
 if cfg.get("barrier"):  # every rank has prepared before any compiles, as in one job
@@ -186,7 +187,7 @@ def so_files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in directory.iterdir() if p.suffix == ".so"}
 
 
-def proc_dirs(root: Path) -> list[str]:
+def proc_dir_names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("proc-"))
 
 
@@ -224,7 +225,7 @@ def test_two_ranks_publish_and_a_third_starts_warm(
         kernels[K_COMBINE].read_bytes(),
         kernels["combine-b"].read_bytes(),
     )
-    assert [p.name for p in key_dir.iterdir() if p.suffix != ".so"] == [jit.KEY_RECORD]
+    assert [p.name for p in key_dir.iterdir() if p.suffix != ".so"] == [cache_key.KEY_RECORD]
 
     third = install.run()
     assert third["loaded"] == sorted(f"{k}.so" for k in (K_PRE, K_DISPATCH, K_COMBINE))
@@ -235,9 +236,9 @@ def test_two_ranks_publish_and_a_third_starts_warm(
     assert facts["jit_cache_warm_started"] == 3
     assert facts["jit_cache_published"] == []
     assert facts["jit_cache_key"] == key_dir.name
-    assert json.loads((key_dir / jit.KEY_RECORD).read_text())["arch"] == "sm90"
+    assert json.loads((key_dir / cache_key.KEY_RECORD).read_text())["arch"] == "sm90"
     # Every rank removed its own proc-<pid> at exit.
-    assert proc_dirs(install.jit_root) == []
+    assert proc_dir_names(install.jit_root) == []
 
 
 def test_a_killed_publisher_leaves_no_partial_kernel(
@@ -260,16 +261,16 @@ def test_a_killed_publisher_leaves_no_partial_kernel(
     temps = [p for p in key_dir.iterdir() if p.name.endswith(".tmp")]
     assert len(temps) == 1 and 0 < temps[0].stat().st_size < kernels[K_DISPATCH].stat().st_size
     assert so_files(key_dir) == {}
-    assert proc_dirs(install.jit_root) == [f"proc-{proc.pid}"]
+    assert proc_dir_names(install.jit_root) == [f"proc-{proc.pid}"]
 
     warm = install.run()
     assert warm["loaded"] == []
     assert warm["facts"]["jit_cache_files_before"] == 0
     assert warm["facts"]["jit_cache_stale_removed"] == 1
-    assert proc_dirs(install.jit_root) == []
+    assert proc_dir_names(install.jit_root) == []
     assert temps[0].exists(), "a young temporary file may be another publisher's, in progress"
 
-    old = time.time() - jit.TMP_MAX_AGE_S - 60
+    old = time.time() - kernel_files.TMP_MAX_AGE_S - 60
     os.utime(temps[0], (old, old))
     install.run()
     assert not temps[0].exists()
@@ -343,11 +344,11 @@ def test_valid_kernel_on_a_real_shared_object(tmp_path: Path):
         pytest.skip("this Python has its extension modules built in: no .so to read")
     real = shared[0]
     data = real.read_bytes()
-    assert jit.valid_kernel(real)
+    assert kernel_files.valid_kernel(real)
     for cut in (len(data) - 1, len(data) // 2, 100):
         part = tmp_path / f"cut{cut}.so"
         part.write_bytes(data[:cut])
-        assert not jit.valid_kernel(part), cut
+        assert not kernel_files.valid_kernel(part), cut
 
 
 # ---- caches it cannot use --------------------------------------------------------------------
@@ -491,13 +492,13 @@ def test_stale_proc_dirs_are_removed_live_ones_kept(install: Install, tmp_path: 
             time.sleep(0.05)
         # A rank that ended without its exit handlers (as after SIGKILL): its marker stays.
         dead = install.run(skip_exit_handlers=True)["pid"]
-        marker = json.loads((root / f"proc-{dead}" / jit.MARKER).read_text())
+        marker = json.loads((root / f"proc-{dead}" / proc_dirs.MARKER).read_text())
         sleeper = subprocess.Popen(["sleep", "60"])
         try:
             # A dead rank's directory whose pid a later process (sleep) now has.
             reused = root / f"proc-{sleeper.pid}"
             reused.mkdir()
-            (reused / jit.MARKER).write_text(json.dumps({**marker, "pid": sleeper.pid}))
+            (reused / proc_dirs.MARKER).write_text(json.dumps({**marker, "pid": sleeper.pid}))
             # Directories without a marker: HybridEP run without this module, maybe on another
             # host sharing this home. Removed only when their pid is not running here and they
             # are old.
@@ -506,7 +507,7 @@ def test_stale_proc_dirs_are_removed_live_ones_kept(install: Install, tmp_path: 
             for directory in (young, aged, running_old):
                 directory.mkdir()
                 (directory / f"{K_PRE}.so").write_bytes(b"x")
-            old = time.time() - jit.UNPROVEN_MAX_AGE_S - 3600
+            old = time.time() - proc_dirs.UNPROVEN_MAX_AGE_S - 3600
             for directory in (aged, running_old):
                 for path in (directory / f"{K_PRE}.so", directory):
                     os.utime(path, (old, old))
@@ -522,7 +523,7 @@ def test_stale_proc_dirs_are_removed_live_ones_kept(install: Install, tmp_path: 
             try:
                 removed = set(cache.stale_removed)
                 assert removed == {f"proc-{dead}", reused.name, aged.name}
-                left = set(proc_dirs(root))
+                left = set(proc_dir_names(root))
                 assert f"proc-{live.pid}" in left
                 assert {young.name, running_old.name} <= left
                 if foreign is not None:
@@ -541,7 +542,7 @@ def test_stale_proc_dirs_are_removed_live_ones_kept(install: Install, tmp_path: 
 def test_a_leftover_dir_of_this_pid_is_emptied_first(install: Install, kernels: dict[str, Path]):
     """Containers reuse small pids: kernels another process left under this pid (another
     build, perhaps) must not be loaded by load_cached_kernels=True."""
-    leftover = jit.jit_dir(install.env)
+    leftover = proc_dirs.jit_dir(install.env)
     leftover.mkdir(parents=True)
     (leftover / f"{K_PRE}.so").write_bytes(kernels[K_PRE].read_bytes())
     cache = install.prepare()
@@ -587,11 +588,11 @@ def test_a_forked_child_leaves_its_parents_directory(install: Install):
 def test_jit_dir_is_where_hybridep_compiles(tmp_path: Path):
     """HybridEP's get_jit_dir(): HYBRID_EP_CACHE_DIR, else the passwd home ($HOME is not read)."""
     pid = os.getpid()
-    assert jit.jit_dir({"HYBRID_EP_CACHE_DIR": str(tmp_path)}) == (
+    assert proc_dirs.jit_dir({"HYBRID_EP_CACHE_DIR": str(tmp_path)}) == (
         tmp_path / ".deepep" / "hybrid_ep" / "jit" / f"proc-{pid}"
     )
     home = pwd.getpwuid(os.getuid()).pw_dir
-    assert jit.jit_dir({"HOME": str(tmp_path), "HYBRID_EP_CACHE_DIR": ""}) == (
+    assert proc_dirs.jit_dir({"HOME": str(tmp_path), "HYBRID_EP_CACHE_DIR": ""}) == (
         Path(home) / ".deepep" / "hybrid_ep" / "jit" / f"proc-{pid}"
     )
 
@@ -600,7 +601,7 @@ def test_cache_dir_and_arch_names():
     assert jit.cache_dir({}) == (jit.DEFAULT_CACHE, "default")
     assert jit.cache_dir({jit.CACHE_ENV: "off"}) == (None, jit.CACHE_ENV)
     assert jit.cache_dir({jit.CACHE_ENV: "/c"}) == ("/c", jit.CACHE_ENV)
-    assert [jit.arch_label(a, {}) for a in ((9, 0), "9.0", "90", "sm_100a", "10.3")] == [
+    assert [cache_key.arch_label(a, {}) for a in ((9, 0), "9.0", "90", "sm_100a", "10.3")] == [
         "sm90",
         "sm90",
         "sm90",
@@ -609,12 +610,21 @@ def test_cache_dir_and_arch_names():
     ]
 
 
-def test_the_module_uses_only_the_standard_library():
-    """It is loaded inside backend venvs, which hold only the lock's packages."""
-    source = (ROOT / "ep_image" / "hybridep_jit.py").read_text()
-    imported = {
-        line.split()[1].split(".")[0]
-        for line in source.splitlines()
-        if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
-    }
-    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+def test_the_cache_loads_only_the_standard_library():
+    """It is loaded inside backend venvs, which hold only the lock's packages: importing it
+    (with the registry package it lives in) loads no module from outside the standard library
+    and ep_image."""
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "import ep_image.backends.hybridep.jit_cache\n"
+        "print(*sorted({name.split('.')[0] for name in set(sys.modules) - before}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stdout.split())
+    assert "ep_image" in loaded
+    outside = loaded - set(sys.stdlib_module_names) - {"ep_image"}
+    assert not outside, outside

@@ -80,7 +80,7 @@ from ep_image import backends, dockerfile, nvshmem, project, tools
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
-BOOTSTRAP_TESTS = "python3 -m ep_image.build.bootstrap --tests"
+BOOTSTRAP_TESTS = "python3 -m ep_image.build_steps.bootstrap --tests"
 
 
 MULTI_EP = "all"
@@ -174,12 +174,12 @@ def test_input_stages_hold_what_the_build_steps_import(tmp_path: Path) -> None:
         # Every step the stage holds (make_venv runs dedup as a subprocess), importing only the
         # stage's copy of the package: no PYTHONPATH to this checkout.
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        for held in sorted((root / "ep_image" / "build").glob("[!_]*.py")):
-            module = f"ep_image.build.{held.stem}"
+        for held in sorted((root / "ep_image" / "build_steps").glob("[!_]*.py")):
+            module = f"ep_image.build_steps.{held.stem}"
             proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, env=env,
                                   capture_output=True, text=True)  # fmt: skip
             assert proc.returncode == 0, f"{stage} lacks a module {module} imports:\n{proc.stderr}"
-        assert (root / "ep_image" / "build" / f"{step}.py").is_file()
+        assert (root / "ep_image" / "build_steps" / f"{step}.py").is_file()
 
 
 def test_storage_driver_is_overlay_only_where_it_mounts(
@@ -507,7 +507,7 @@ def test_changing_only_ep_reuses_every_backend_stage(
 ) -> None:
     assert single_build.step_cached("apt-get install"), "base stage (apt) was rebuilt"
     assert single_build.step_cached('"uv=='), "base stage (uv install) was rebuilt"
-    assert single_build.step_cached("ep_image.build.build_te"), "te stage was rebuilt"
+    assert single_build.step_cached("ep_image.build_steps.build_te"), "te stage was rebuilt"
     assert single_build.step_cached("--backend deepep_v2 "), "venv was rebuilt"
     visited = single_build.stages_visited()
     assert "ep-deepep_v1" not in visited and "ep-hybridep" not in visited, visited

@@ -1,4 +1,5 @@
-"""ep_image/build/image_stage.py assemble, on plain directories (the image tests run it in buildah).
+"""ep_image/build_steps/image_stage.py assemble, on plain directories (the image tests run it in
+buildah).
 
 The prefix starts as venvs-common leaves it (one skeleton per backend); the mounts hold the
 finished venvs of the ep-<backend> stages. Afterwards the prefix holds exactly the selected
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from _venv_helpers import snapshot
 
-from ep_image.build import image_stage
+from ep_image.build_steps import image_stage
 
 
 def venv(root: Path, record: str, extra: dict[str, str] | None = None) -> Path:

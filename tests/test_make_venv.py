@@ -24,7 +24,7 @@ from test_source_build import fake_cuda
 from ep_image import backends as ep_backends
 from ep_image import nvshmem, project, source_build, tools
 
-MAKE_VENV = "ep_image.build.make_venv"
+MAKE_VENV = "ep_image.build_steps.make_venv"
 
 
 def make_venv(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_uv_missing_names_the_pinned_version(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert (
         f"uv {tools.UV_VERSION}" in proc.stderr
-        and "python3 -m ep_image.build.bootstrap" in proc.stderr
+        and "python3 -m ep_image.build_steps.bootstrap" in proc.stderr
     )
 
 
@@ -67,7 +67,7 @@ def test_help_reads_like_documentation() -> None:
 def test_te_record_takes_exactly_the_recorded_wheel_or_fails(tmp_path: Path) -> None:
     """The image's ep stages COPY te-build.json and mount the te stage's output: an empty or
     different mount must fail the venv, not give it no TE or another TE."""
-    from ep_image.build import make_venv as mv
+    from ep_image.build_steps import make_venv as mv
 
     wheel = build_wheel(
         tmp_path / "te", "transformer_engine", "2.17.0", {"transformer_engine/__init__.py": ""}
@@ -126,7 +126,8 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
     )
     if missing_rdma_headers():
         pytest.skip(
-            "rdma-core headers missing (python3 -m ep_image.build.bootstrap --tests installs them)"
+            "rdma-core headers missing "
+            "(python3 -m ep_image.build_steps.bootstrap --tests installs them)"
         )
     env = {
         **os.environ,
@@ -170,7 +171,8 @@ def test_hybridep_preflight_names_the_missing_toolkit_before_any_download(tmp_pa
 
 @pytest.mark.skipif(
     shutil.which("cc") is None,
-    reason="the stand-in HybridEP needs a C compiler (python3 -m ep_image.build.bootstrap --tests)",
+    reason="the stand-in HybridEP needs a C compiler "
+    "(python3 -m ep_image.build_steps.bootstrap --tests)",
 )
 def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: Path) -> None:
     """Host mode's HybridEP build: the git source through url.<mirror>.insteadOf, and
@@ -203,18 +205,18 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
 
 
 def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
-    """One code path: build_host.sh (ep_image/build/host.py) and the image's ep-<backend> stages
-    both run make_venv.py (the image with --complete, whose sync is host mode's:
+    """One code path: build_host.sh (ep_image/build_steps/host.py) and the image's ep-<backend>
+    stages both run make_venv.py (the image with --complete, whose sync is host mode's:
     test_skeleton_then_complete_...), and the NVSHMEM set-up lives only in ep_image/nvshmem.py,
     which make_venv's backend sync calls."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
     stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
-    assert "python3 -m ep_image.build.make_venv --complete --backend hybridep" in stage
-    assert "-m ep_image.build.host" in (SCRIPTS / "build_host.sh").read_text()
-    host = ROOT / "ep_image" / "build" / "host.py"
-    assert '"ep_image.build.make_venv"' in host.read_text()
-    build = ROOT / "ep_image" / "build"
+    assert "python3 -m ep_image.build_steps.make_venv --complete --backend hybridep" in stage
+    assert "-m ep_image.build_steps.host" in (SCRIPTS / "build_host.sh").read_text()
+    host = ROOT / "ep_image" / "build_steps" / "host.py"
+    assert '"ep_image.build_steps.make_venv"' in host.read_text()
+    build = ROOT / "ep_image" / "build_steps"
     assert "nvshmem.build_environment(" in (build / "backend_sync.py").read_text()
     assert "sync_backend(" in (build / "make_venv.py").read_text()
     for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh", host]:
@@ -237,7 +239,7 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     venv = prefix / "deepep_v2"
     # --dedup (the image's ep stages): nothing identical is left unlinked inside the venv.
-    dry_run = [sys.executable, "-m", "ep_image.build.dedup", "--dry-run", "--json"]
+    dry_run = [sys.executable, "-m", "ep_image.build_steps.dedup", "--dry-run", "--json"]
     again = subprocess.run([*dry_run, str(tmp_path / "d.json"), str(venv)],
                            capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
     left = json.loads((tmp_path / "d.json").read_text())
@@ -295,14 +297,16 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(
     shutil.which("cc") is None,
-    reason="the stand-in DeepEP needs a C compiler (python3 -m ep_image.build.bootstrap --tests)",
+    reason="the stand-in DeepEP needs a C compiler "
+    "(python3 -m ep_image.build_steps.bootstrap --tests)",
 )
 def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     """Host mode: DeepEP v1 and HybridEP from their git commits (stand-ins of both layouts,
     through a mirror), each built by make_venv against its venv's NVSHMEM, then deduplicated."""
     if missing_rdma_headers():
         pytest.skip(
-            "rdma-core headers missing (python3 -m ep_image.build.bootstrap --tests installs them)"
+            "rdma-core headers missing "
+            "(python3 -m ep_image.build_steps.bootstrap --tests installs them)"
         )
     version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(tmp_path / "mirror", version, dict(os.environ),
@@ -348,18 +352,24 @@ def build_host(*args: str | Path, env: dict[str, str] | None = None) -> subproce
 
 
 def test_build_host_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
-    """Each usage error of build_host.sh (ep_image/build/host.py behind it) is one line naming
+    """Each usage error of build_host.sh (ep_image/build_steps/host.py behind it) is one line naming
     the argument, exit 2, before anything is made."""
     prefix = tmp_path / "venvs"
     cases = [
-        ((), "build_host.sh: --prefix DIR (or EP_PREFIX) is required"),
-        (("--prefix",), "build_host.sh: --prefix needs DIR"),
-        (("--prefix", prefix, "--backends"), "build_host.sh: --backends needs LIST"),
-        (("--prefix", prefix, "--te-wheel"), "build_host.sh: --te-wheel needs PATH"),
-        (("--prefix", prefix, "--activate"), "build_host.sh: --activate needs BACKEND"),
-        (("--prefix", prefix, "--bogus"), "build_host.sh: unknown argument --bogus"),
-        (("--prefix", prefix, "stray"), "build_host.sh: unknown argument stray"),
-        (("--pre", prefix), "build_host.sh: unknown argument --pre"),  # no abbreviations
+        ((), "build_host.sh: usage error: --prefix DIR (or EP_PREFIX) is required"),
+        (("--prefix",), "build_host.sh: usage error: --prefix needs DIR"),
+        (("--prefix", prefix, "--backends"), "build_host.sh: usage error: --backends needs LIST"),
+        (("--prefix", prefix, "--te-wheel"), "build_host.sh: usage error: --te-wheel needs PATH"),
+        (
+            ("--prefix", prefix, "--activate"),
+            "build_host.sh: usage error: --activate needs BACKEND",
+        ),
+        (("--prefix", prefix, "--bogus"), "build_host.sh: usage error: unknown argument --bogus"),
+        (("--prefix", prefix, "stray"), "build_host.sh: usage error: unknown argument stray"),
+        (
+            ("--pre", prefix),
+            "build_host.sh: usage error: unknown argument --pre",
+        ),  # no abbreviations
     ]
     for args, says in cases:
         proc = build_host(*args)
@@ -372,20 +382,20 @@ def test_build_host_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
 
 
 def test_build_host_help_and_the_module_behind_it(tmp_path: Path) -> None:
-    """--help documents every flag and the exit codes; `python -m ep_image.build.host` (the
+    """--help documents every flag and the exit codes; `python -m ep_image.build_steps.host` (the
     ep-host entry point) is the same command, with EP_PREFIX and EP_BACKENDS as defaults."""
     proc = build_host("--help")
     assert proc.returncode == 0, proc.stderr
     flags = ["--prefix DIR", "--backends LIST", "--te-wheel PATH", "--python PY", "--project DIR"]
     for text in (*flags, "--no-read-only", "--activate BACKEND", "Exit codes: 0"):
         assert text in proc.stdout, text
-    host = [sys.executable, "-m", "ep_image.build.host"]
+    host = [sys.executable, "-m", "ep_image.build_steps.host"]
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     proc = subprocess.run(host, capture_output=True, text=True,
                           env=host_env(EP_PREFIX=str(a_file)))  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"build_host.sh: cannot create --prefix {a_file}" in proc.stderr
+    assert f"build_host.sh: error: cannot create --prefix {a_file}" in proc.stderr
     # An unknown backend is make_venv's usage error (exit 2): passed on, after the summary.
     prefix = tmp_path / "venvs"
     proc = subprocess.run(host, capture_output=True, text=True,
@@ -407,7 +417,7 @@ def test_build_host_without_a_python_to_run_it_says_how_to_get_one(tmp_path: Pat
                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "needs Python >= 3.11" in proc.stderr
-    assert "python3 -m ep_image.build.bootstrap" in proc.stderr
+    assert "python3 -m ep_image.build_steps.bootstrap" in proc.stderr
 
 
 def test_complete_needs_a_skeleton_of_this_lock_and_skip_list(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""ep_image/build/make_venv.py when the user's machine gets in the way: one line naming the fix, no
-traceback, nothing half-built left, and never a second build deleting the first one's work.
+"""ep_image/build_steps/make_venv.py when the user's machine gets in the way: one line naming the
+fix, no traceback, nothing half-built left, and never a second build deleting the first one's
+work.
 
 Real processes: a prefix that is a file, one this user may not write (make_venv run as nobody),
 Ctrl-C (SIGINT to the process group, as a terminal sends it) in the middle of a real build,
@@ -22,7 +23,7 @@ import pytest
 from test_make_venv import leftovers, make_venv
 from test_source_build import fake_cuda
 
-MAKE_VENV = "ep_image.build.make_venv"
+MAKE_VENV = "ep_image.build_steps.make_venv"
 
 
 def no_traceback(proc: subprocess.CompletedProcess) -> None:

@@ -164,7 +164,7 @@ def test_a_variant_installs_its_backend_from_its_own_source() -> None:
 
 def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ep_image.build.make_venv", "--backend", "deepep_v1",
+        [sys.executable, "-m", "ep_image.build_steps.make_venv", "--backend", "deepep_v1",
          "--variant", "deepep_v2_pinned", "--prefix", str(tmp_path)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -217,3 +217,33 @@ def test_a_backend_is_its_module(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode != 0 and "SPEC.name must be the module's name" in run.stderr
+    assert "ep_image/backends/mori_ep.py: SPEC.name" in run.stderr
+
+
+def test_a_backend_may_be_a_package(tmp_path: Path) -> None:
+    """A backend with code of its own (HybridEP's JIT cache) is a package whose __init__.py holds
+    its SPEC: discovery finds it like a module, and a broken one is named by that file."""
+    assert (ROOT / "ep_image" / "backends" / "hybridep" / "__init__.py").is_file()
+    assert "hybridep" in backends.BACKEND_NAMES
+    package = tmp_path / "ep_image"
+    shutil.copytree(ROOT / "ep_image", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "backends" / "mori_ep").mkdir()
+    (package / "backends" / "mori_ep" / "__init__.py").write_text(
+        "from ep_image.backends._spec import BackendSpec\n"
+        "SPEC = BackendSpec(name='mori_ep', title='MORI-EP', distribution='mori-ep',\n"
+        "                   layout_marker='mori.py', api='Buffer')\n"
+    )
+    code = "from ep_image import backends as b; print(' '.join(b.BACKEND_NAMES))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.stdout.split() == [*backends.BACKEND_NAMES, "mori_ep"], run.stderr
+    (package / "backends" / "mori_ep" / "__init__.py").write_text(
+        "from ep_image.backends._spec import BackendSpec\n"
+        "SPEC = BackendSpec(name='mori', title='MORI-EP', distribution='mori-ep',\n"
+        "                   layout_marker='mori.py', api='Buffer')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode != 0
+    assert "ep_image/backends/mori_ep/__init__.py: SPEC.name must be" in run.stderr

@@ -41,7 +41,9 @@ def fake_cuda(root: Path, stub: bool = True, release: str = "13.0") -> Path:
 
 def compile_shared(out: Path, source: str, *args: str) -> None:
     if not shutil.which("gcc"):
-        pytest.skip("gcc not installed (python3 -m ep_image.build.bootstrap --tests installs it)")
+        pytest.skip(
+            "gcc not installed (python3 -m ep_image.build_steps.bootstrap --tests installs it)"
+        )
     src = out.with_suffix(".c")
     src.write_text(source + "\n")
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src), *args], check=True)

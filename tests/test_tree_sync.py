@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _venv_helpers import PYCACHE, ROOT, tree_differences
 
-from ep_image.build import tree_sync
+from ep_image.build_steps import tree_sync
 
 NOBODY = 65534
 
@@ -165,7 +165,8 @@ def test_an_unreadable_file_is_found_before_anything_is_written(tmp_path: Path) 
         before = _state(dst)
 
         api = (
-            "import sys; sys.path.insert(0, sys.argv[1]); from ep_image.build import tree_sync\n"
+            "import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from ep_image.build_steps import tree_sync\n"
             "from pathlib import Path\ntry:\n"
             "    tree_sync.sync_tree(Path(sys.argv[2]), Path(sys.argv[3]))\n"
             "except Exception as exc:\n    print(type(exc).__name__, exc); sys.exit(3)"
@@ -175,7 +176,7 @@ def test_an_unreadable_file_is_found_before_anything_is_written(tmp_path: Path) 
         assert _state(dst) == before, "the target was changed before the file was found"
         assert proc.stdout.startswith("SyncError") and "cannot read this file" in proc.stdout
 
-        cli = [system_python, "-m", "ep_image.build.tree_sync", str(src), str(dst)]
+        cli = [system_python, "-m", "ep_image.build_steps.tree_sync", str(src), str(dst)]
         proc = subprocess.run(cli, cwd=base, **as_user)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr
@@ -202,9 +203,9 @@ def test_the_quick_check_trusts_size_mtime_mode_and_owner_as_documented(tmp_path
 
 
 def test_command_line_help_usage_and_errors(tmp_path: Path) -> None:
-    script = [sys.executable, "-m", "ep_image.build.tree_sync"]
+    script = [sys.executable, "-m", "ep_image.build_steps.tree_sync"]
     helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
-    assert helped.returncode == 0 and "usage: tree_sync.py" in helped.stdout
+    assert helped.returncode == 0 and "usage: tree_sync " in helped.stdout
     for text in ("SOURCE", "TARGET", "quick check", "FIFO"):
         assert text in helped.stdout, text
     usage = subprocess.run(script, capture_output=True, text=True)

@@ -108,5 +108,5 @@ def test_usage_errors(prefix: Path) -> None:
 
 def test_empty_prefix_says_how_to_build(tmp_path: Path) -> None:
     proc = use_ep(tmp_path, "deepep_v2")
-    assert proc.returncode == 2 and "python3 -m ep_image.build.make_venv" in proc.stderr
+    assert proc.returncode == 2 and "python3 -m ep_image.build_steps.make_venv" in proc.stderr
     assert use_ep(tmp_path, "--list").stdout == ""

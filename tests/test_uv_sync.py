@@ -1,7 +1,7 @@
 """A real `uv sync` of backend extras into throwaway venvs, then an install-level check.
 
 What this proves: the lock installs on Linux x86_64 and each venv holds exactly its backend's
-`deep_ep` with every shared library its extension needs (ep_image/build/check_installed.py).
+`deep_ep` with every shared library its extension needs (ep_image/build_steps/check_installed.py).
 What it does NOT prove: that the backend works. deep_ep needs a GPU driver even to import;
 ep_image/probes/check_ep.py on a GPU is what proves a backend works.
 
@@ -41,7 +41,7 @@ def check_installed(venv: Path, backend: str, report: Path) -> subprocess.Comple
     args = [
         sys.executable,
         "-m",
-        "ep_image.build.check_installed",
+        "ep_image.build_steps.check_installed",
         "--venv",
         str(venv),
         "--backend",
@@ -101,7 +101,7 @@ def test_probe_runs_inside_a_backend_venv(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sync_moe_installs_default_backend_and_cudnn(tmp_path: Path) -> None:
-    """moe without TE's git build (the image builds TE once: ep_image/build/build_te.py)."""
+    """moe without TE's git build (the image builds TE once: ep_image/build_steps/build_te.py)."""
     venv = tmp_path / "moe"
     result = sync(venv, "moe")
     assert result.returncode == 0, result.stderr
@@ -123,7 +123,7 @@ def test_check_installed_flags_the_wrong_backend(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "ep_image.build.check_installed",
+            "ep_image.build_steps.check_installed",
             "--venv",
             str(venv),
             "--backend",

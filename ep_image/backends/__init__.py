@@ -1,6 +1,7 @@
 """The expert-parallel (EP) backend registry: one module per backend, one place for each fact.
 
-Each module here (``deepep_v1.py``, ...) declares its backend's ``SPEC``; this package collects
+Each module here (``deepep_v1.py``, ...) declares its backend's ``SPEC`` (a backend with code of
+its own is a package: ``hybridep/__init__.py``, beside its JIT cache); this package collects
 them and answers every question the build, the probes, the Dockerfile's generated stages and the
 workflows ask about backends. Pins are not here: they are read from pyproject.toml. Adding a
 backend and what else it touches: docs/architecture.md.
@@ -8,14 +9,11 @@ backend and what else it touches: docs/architecture.md.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import pkgutil
 import re
-import sys
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ep_image.backends._spec import (
@@ -41,11 +39,17 @@ ALL = "all"
 
 
 def _discover() -> tuple[BackendSpec, ...]:
-    """Every backend module's SPEC, in module-name order: that order is the registry's."""
-    names = sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    """Every backend module's SPEC, in module-name order: that order is the registry's. A
+    backend with code of its own beside its SPEC is a package (its ``__init__.py`` holds it)."""
+    found_modules = sorted(
+        (m.name, m.ispkg) for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")
+    )
+    names = [name for name, _ in found_modules]
     specs = tuple(importlib.import_module(f"{__name__}.{name}").SPEC for name in names)
-    for name, found in zip(names, specs, strict=True):
-        where = f"ep_image/backends/{name}.py"
+    for (name, package), found in zip(found_modules, specs, strict=True):
+        where = (
+            f"ep_image/backends/{name}/__init__.py" if package else f"ep_image/backends/{name}.py"
+        )
         if found.name != name or "-" in name:
             raise RuntimeError(f"{where}: SPEC.name must be the module's name, without '-'")
         if found.internode_check not in ("", *INTERNODE_CHECKS):
@@ -57,8 +61,8 @@ def _discover() -> tuple[BackendSpec, ...]:
     return specs
 
 
-#: The backends, one module each (ep_image/backends/<name>.py), in the order scripts build
-#: and list them.
+#: The backends, one module each (ep_image/backends/<name>.py, or <name>/__init__.py), in the
+#: order scripts build and list them.
 SPECS: tuple[BackendSpec, ...] = _discover()
 
 #: The backend an image or host prefix makes active when nothing else is asked for, and the
@@ -343,77 +347,3 @@ def workflow_matrix() -> dict[str, list[str]]:
         "image_ep": [value for value, _ in image_ep_values()],
         "shares_gpu": [s.name for s in SPECS if s.shares_gpu],
     }
-
-
-# --- CLI -----------------------------------------------------------------------------------------
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m ep_image.backends",
-        description=(
-            "Print the EP backend registry (ep_image/backends/, one module per backend): each "
-            "backend's uv extra, the "
-            "distribution that ships its `deep_ep` module, the marker file that identifies its "
-            "layout, what its build needs, and its requirement and source as pyproject.toml "
-            "pins them."
-        ),
-        epilog=f"Backends: {valid_names_text()}; default: {DEFAULT_BACKEND}.",
-    )
-    parser.add_argument(
-        "--project",
-        type=Path,
-        default=DEFAULT_PROJECT,
-        help="directory holding pyproject.toml (default: this repository)",
-    )
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--json", action="store_true", help="print the registry as JSON")
-    group.add_argument(
-        "--names", action="store_true", help="print only the backend names, one a line"
-    )
-    group.add_argument(
-        "--image-ep",
-        action="store_true",
-        help="print every EP value the image accepts and the backends it selects",
-    )
-    group.add_argument("--default", action="store_true", help="print the default backend")
-    group.add_argument(
-        "--matrix",
-        action="store_true",
-        help="print the CI workflows' matrices as JSON: backends, image EP values, and the "
-        "backends whose ranks may share a GPU",
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
-    if args.names:
-        print("\n".join(BACKEND_NAMES))
-        return 0
-    if args.default:
-        print(DEFAULT_BACKEND)
-        return 0
-    if args.matrix:
-        print(json.dumps(workflow_matrix()))
-        return 0
-    if args.image_ep:
-        for value, backends in image_ep_values():
-            print(f"{value}\t{' '.join(backends)}")
-        return 0
-    try:
-        registry = load_registry(args.project)
-    except RegistryError as exc:
-        print(f"ep_image.backends: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({n: asdict(b) for n, b in registry.items()}, indent=2))
-        return 0
-    for backend in registry.values():
-        default = " (default)" if backend.name == DEFAULT_BACKEND else ""
-        print(
-            f"{backend.name:10} extra={backend.extra} dist={backend.distribution} "
-            f"req={backend.requirement!r} source={backend.source_label} "
-            f"marker={backend.marker_file}{default}"
-        )
-    return 0

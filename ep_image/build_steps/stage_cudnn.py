@@ -15,8 +15,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ep_image.build.te_wheels import TE_RECORD
-from ep_image.build.venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
+from ep_image import cli
+from ep_image.build_steps.te_wheels import TE_RECORD
+from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
 
 LDCONF = Path("/etc/ld.so.conf.d/000-ep-venv-cudnn.conf")
 SONAME = "libcudnn.so.9"
@@ -83,13 +84,13 @@ def stage(prefix: Path) -> dict[str, object]:
         base = base_image_cudnn(prefix)
         return {"staged": False, "reason": str(err), "base_image": base}
     link = link_active(prefix, venv, cudnn.root)
-    LDCONF.write_text(f"# venv cuDNN first (ep_image.build.stage_cudnn)\n{link / 'lib'}\n")
+    LDCONF.write_text(f"# venv cuDNN first (ep_image.build_steps.stage_cudnn)\n{link / 'lib'}\n")
     subprocess.run(["ldconfig"], check=True)
     entries = ldconfig_entries(SONAME)
     if not entries or not entries[0].startswith(str(link)):
-        raise SystemExit(
-            f"stage_cudnn: ldconfig resolves {SONAME} to {entries[:1]}, not {link}/lib. Fix: "
-            f"make sure {LDCONF} sorts before the base image's ld.so.conf.d entries."
+        raise cli.FixableError(
+            f"ldconfig resolves {SONAME} to {entries[:1]}, not {link}/lib",
+            f"make sure {LDCONF} sorts before the base image's ld.so.conf.d entries",
         )
     return {
         "staged": True,
@@ -109,22 +110,31 @@ def record(prefix: Path, runtime: dict[str, object]) -> None:
     data = json.loads(path.read_text()) if path.is_file() else {}
     built = data.get("cudnn_version")
     if built and runtime.get("staged") and built != runtime["venv_version"]:
-        raise SystemExit(
-            f"stage_cudnn: TE was built against cuDNN {built} but the venv holds "
-            f"{runtime['venv_version']}. Fix: rebuild the te stage from the same uv.lock."
+        raise cli.FixableError(
+            f"TE was built against cuDNN {built} but the venv holds {runtime['venv_version']}",
+            "rebuild the te stage from the same uv.lock",
         )
     data["cudnn_runtime"] = runtime
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
-    args = parser.parse_args(argv)
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(prog="stage_cudnn", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--prefix", type=Path, default=Path("/opt/venvs"), help="the venvs (default /opt/venvs)"
+    )
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     runtime = stage(args.prefix)
     record(args.prefix, runtime)
     print("stage_cudnn: " + json.dumps(runtime))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run("stage_cudnn", parse_args, run, argv)
 
 
 if __name__ == "__main__":

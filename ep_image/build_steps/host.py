@@ -11,18 +11,15 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from ep_image import backends as ep_backends
-from ep_image import child_env
-from ep_image.build import dedup
+from ep_image import child_env, cli
+from ep_image.build_steps import dedup
 from ep_image.tools import USE_EP
 
 #: What the user ran: the ep-host entry point, or scripts/build_host.sh (which runs this module).
 PROG = "ep-host" if Path(sys.argv[0]).name == "ep-host" else "build_host.sh"
 EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 #: The options that take a value, and what the value is (named when it is missing).
 VALUES = {"--prefix": "DIR", "--backends": "LIST", "--te-wheel": "PATH", "--python": "PY",
           "--project": "DIR", "--activate": "BACKEND"}  # fmt: skip
@@ -36,21 +33,15 @@ Build EP backend venvs under DIR (one per backend, from the committed uv.lock), 
 identical files across them, so all of them cost about as much disk as one."""
 EPILOG = """\
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
-Needs: uv (on PATH, or installed by python3 -m ep_image.build.bootstrap), Python >= 3.11 to run
-the scripts (PYTHON=..., else python3, else uv's). Every step is ep_image/build/make_venv.py, the
-command the image's ep-<backend> stages run too: HybridEP's NVSHMEM set-up included.
+Needs: uv (on PATH, or installed by python3 -m ep_image.build_steps.bootstrap), Python >= 3.11
+to run the scripts (PYTHON=..., else python3, else uv's). Every step is
+ep_image/build_steps/make_venv.py, the command the image's ep-<backend> stages run too: HybridEP's
+NVSHMEM set-up included.
 docs/host-mode.md is the guide."""
 
 
-class HostParser(argparse.ArgumentParser):
-    """argparse that reports usage errors as build_host.sh always has: one line, exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{PROG}: {message}\n")
-
-
-def build_parser() -> HostParser:
-    parser = HostParser(
+def build_parser() -> cli.Parser:
+    parser = cli.Parser(
         prog=PROG,
         usage=USAGE,
         description=DESCRIPTION,
@@ -78,7 +69,7 @@ def build_parser() -> HostParser:
         metavar=VALUES["--te-wheel"],
         action="append",
         default=[],
-        help="Transformer Engine wheel from ep_image/build/build_te.py, put in every venv",
+        help="Transformer Engine wheel from ep_image/build_steps/build_te.py, put in every venv",
     )
     parser.add_argument(
         "--python",
@@ -111,19 +102,18 @@ def build_parser() -> HostParser:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The options, or exit 2 naming the first bad argument (the usage follows on stderr)."""
+    """The options, or a UsageError naming the first bad argument (exit 2; after an unknown
+    one, the usage follows)."""
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as exc:
         option = exc.argument_name or "an option"
-        parser.exit(EXIT_USAGE, f"{PROG}: {option} needs {VALUES.get(option, 'a value')}\n")
+        raise cli.UsageError(f"{option} needs {VALUES.get(option, 'a value')}") from None
     if unknown:
-        print(f"{PROG}: unknown argument {unknown[0]}", file=sys.stderr)
-        parser.print_help(sys.stderr)
-        parser.exit(EXIT_USAGE)
+        raise cli.UsageError(f"unknown argument {unknown[0]}\n{parser.format_usage().rstrip()}")
     if not args.prefix:
-        parser.exit(EXIT_USAGE, f"{PROG}: --prefix DIR (or EP_PREFIX) is required\n")
+        raise cli.UsageError("--prefix DIR (or EP_PREFIX) is required")
     return args
 
 
@@ -144,7 +134,7 @@ def build(args: argparse.Namespace, prefix: Path) -> int:
     # Copies, not links into uv's cache: the prefix then stands alone (the cache may be on another
     # filesystem, be pruned, or belong to someone else), and dedup.py does the sharing, within it.
     env = child_env({**os.environ, "UV_LINK_MODE": os.environ.get("UV_LINK_MODE") or "copy"})
-    make_venv = [sys.executable, "-m", "ep_image.build.make_venv", "--backend", args.backends]
+    make_venv = [sys.executable, "-m", "ep_image.build_steps.make_venv", "--backend", args.backends]
     make_venv += ["--prefix", str(prefix), "--keep-going"]
     make_venv += [f"--python={args.python}"] if args.python else []
     make_venv += [f"--project={args.project}"] if args.project else []
@@ -171,19 +161,21 @@ def build(args: argparse.Namespace, prefix: Path) -> int:
     return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     prefix = Path(os.path.abspath(args.prefix))
     try:
         prefix.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"{PROG}: cannot create --prefix {prefix}: {exc.strerror}", file=sys.stderr)
-        return EXIT_FAILED
-    try:
-        return build(args, prefix)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        raise cli.FixableError(
+            f"cannot create --prefix {prefix}: {exc.strerror}",
+            "give --prefix (or EP_PREFIX) a directory this user can create, on a filesystem "
+            "with hardlinks",
+        ) from None
+    return build(args, prefix)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""What a set of directory trees holds, counted the way `du` counts it: the books of dedup.py.
+"""What a set of directory trees holds, counted the way `du` counts it: the books of dedup.
 
 hardlink's own "Saved" counts an inode still linked from outside the trees as freed; this walk
-books each inode once (blocks, links, paths under the trees), so dedup.py reports what the disk
-got back. See docs/host-mode.md, section "Deduplicating venvs".
+books each inode once (blocks, links, paths under the trees), so dedup reports what the disk
+got back. It also holds what every dedup module shares: the names dedup and hardlink leave in a
+tree, and the refusal. See docs/host-mode.md, section "Deduplicating venvs".
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import re
 import stat
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ep_image import cli
 
 #: util-linux hardlink links the kept file to "<duplicate>.hardlink-temporary", then renames it
 #: over the duplicate (misc-utils/hardlink.c, file_link(), 2.38 to 2.41).
@@ -24,11 +27,21 @@ TEMP_SUFFIX = ".hardlink-temporary"
 #: The temporary names of the dedup.py before it used hardlink (a crash could leave one).
 LEGACY_TEMP = re.compile(r"^\.dedup-tmp-[0-9a-f]+-[0-9]+$")
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
-#: dedup.py --read-only writes the modes it is about to clear here, in each ROOT, before it
+#: dedup --read-only writes the modes it is about to clear here, in each ROOT, before it
 #: clears them, and removes the file when the run is done: a run killed in between leaves it,
 #: and the next run gives those modes back. Never linked, never counted.
 MODES_JOURNAL = ".dedup-read-only-modes.json"
 _ERE_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+#: dedup's exit code when it refuses before changing anything.
+EXIT_REFUSED = 2
+
+
+class DedupError(cli.FixableError):
+    """A reason to refuse the whole run before anything changes (exit code 2); ``fix`` is
+    what the user does about it, printed as the last line."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(reason, fix, EXIT_REFUSED)
 
 
 @dataclass(slots=True)
@@ -75,7 +88,7 @@ class Tree:
 
 
 def glob_to_regex(pattern: str) -> str:
-    """A dedup.py exclude pattern (fnmatch) as a POSIX extended regex over an absolute path.
+    """A dedup exclude pattern (fnmatch) as a POSIX extended regex over an absolute path.
 
     A pattern without "/" matches the file name, one with "/" the path's last components:
     ``bin/activate*`` becomes ``/bin/activate[^/]*$``. The result means the same to Python's
@@ -169,7 +182,7 @@ def scan(
 
     A path that vanishes while it is walked is counted in ``skipped`` and left out, never an
     error: the trees are not ours alone while we look at them. A root that is gone is listed
-    in ``vanished_roots``. dedup.py's journal of modes (MODES_JOURNAL) in a root is skipped.
+    in ``vanished_roots``. dedup's journal of modes (MODES_JOURNAL) in a root is skipped.
     """
     tree = Tree()
     for root in roots:
@@ -282,7 +295,7 @@ def _book_file(
 
 
 def books(tree: Tree, skipped: Counter[str]) -> dict[str, object]:
-    """The walk's figures as dedup.py's report names them."""
+    """The walk's figures as dedup's report names them."""
     return {
         "files_scanned": tree.files_scanned,
         "inodes": len(tree.files),
@@ -294,28 +307,31 @@ def books(tree: Tree, skipped: Counter[str]) -> dict[str, object]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="dedup_tree.py",
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
+        prog="dedup_tree",
         description=(
             "Print what the given trees hold, counted the way `du -sxcB1 ROOT...` counts it: "
             "each inode once, with its blocks; how many inodes are shared by several paths "
             "under the trees and how many are also linked from outside them (uv's cache, "
-            "another prefix). These are the books dedup.py keeps before and after it "
+            "another prefix). These are the books dedup keeps before and after it "
             "links; this command only reads."
         ),
-        epilog="Example: python3 -m ep_image.build.dedup_tree /opt/venvs/*/",
+        epilog="Example: python3 -m ep_image.build_steps.dedup_tree /opt/venvs/*/",
     )
     parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to count")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     resolved = [Path(root).resolve() for root in args.roots]
     for root, path in zip(args.roots, resolved, strict=True):
         if not path.is_dir():
-            parser.error(f"{root} is not a directory: give existing trees")
+            raise cli.UsageError(f"{root} is not a directory: give existing trees")
     devices = {os.stat(path).st_dev for path in resolved}
     if len(devices) > 1:
-        parser.error("the ROOTs are on different filesystems: run it once per filesystem")
+        raise cli.UsageError("the ROOTs are on different filesystems: run it once per filesystem")
     roots = [p for p in sorted(set(resolved)) if not any(q in p.parents for q in resolved)]
     skipped: Counter[str] = Counter()
     tree = scan(roots, devices.pop(), None, 0, skipped)
@@ -333,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     for reason, count in sorted(skipped.items()):
         print(f"not regular files or left out: {reason}: {count}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run("dedup_tree", parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ep_image.build.uv_run import BuildError, run
+from ep_image.build_steps.uv_run import run
+from ep_image.cli import FixableError
 from ep_image.project import sha256_file
 
 TE_DISTRIBUTION = "transformer-engine"
@@ -31,28 +32,32 @@ def recorded_te_wheels(record_path: Path, wheel_dir: Path) -> list[Path]:
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError) as exc:
-        raise BuildError(f"--te-record {record_path}: {exc}") from None
+        raise FixableError(
+            f"--te-record {record_path}: {exc}",
+            f"pass --te-record the {TE_RECORD} that build_te wrote beside its wheel",
+        ) from None
     beside = wheel_dir / TE_RECORD
     try:
         same = json.loads(beside.read_text()) == record
     except (OSError, ValueError):
         same = False
     if not same:
-        raise BuildError(
+        raise FixableError(
             f"{wheel_dir} does not hold the TE build that {record_path} records ({beside} is "
             f"{'different' if beside.is_file() else 'missing'}): the te stage's output is not "
-            "what this step was given. In an image build the builder did not mount the te "
-            "stage; build again, and if it repeats, with --no-cache. On a host: pass the "
-            "directory build_te.py --out wrote, which holds both"
+            "what this step was given",
+            "in an image build the builder did not mount the te stage: build again, and if it "
+            "repeats, with --no-cache; on a host, pass the directory build_te --out wrote, "
+            "which holds both",
         )
     if not record.get("wheel"):
         return []  # TE_BUILD=skip: the record says so, and why
     wheel = wheel_dir / str(record["wheel"])
     if not wheel.is_file() or sha256_file(wheel) != record.get("wheel_sha256"):
-        raise BuildError(
+        raise FixableError(
             f"{wheel} is {'not the wheel' if wheel.is_file() else 'missing, but'} "
-            f"{record_path} records (sha256 {record.get('wheel_sha256')}). Fix: rebuild TE "
-            "with python3 -m ep_image.build.build_te --out DIR and pass that DIR"
+            f"{record_path} records (sha256 {record.get('wheel_sha256')})",
+            "rebuild TE with python3 -m ep_image.build_steps.build_te --out DIR and pass that DIR",
         )
     return [wheel.resolve()]
 
@@ -60,7 +65,8 @@ def recorded_te_wheels(record_path: Path, wheel_dir: Path) -> list[Path]:
 def select_te_wheels(wheels: list[Path], wheel_dir: Path | None, record: Path | None) -> list[Path]:
     """``wheels`` (--te-wheel), plus exactly the one ``record`` names in ``wheel_dir``, or else
     every transformer_engine-*.whl in ``wheel_dir``. No wheel found is said, not an error; a
-    record that ``wheel_dir`` does not match is a BuildError. ``record`` needs ``wheel_dir``."""
+    record that ``wheel_dir`` does not match is a FixableError (exit 1, nothing made yet).
+    ``record`` needs ``wheel_dir``."""
     selected = [w.resolve() for w in wheels]
     if record is not None:
         assert wheel_dir is not None, "--te-record needs --te-wheel-dir"

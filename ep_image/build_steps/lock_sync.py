@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT
-from ep_image.build.uv_run import run
+from ep_image.build_steps.uv_run import run
 
 
 def create_venv(

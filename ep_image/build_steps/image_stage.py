@@ -16,14 +16,17 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from ep_image import SOURCE_ROOT, backends, child_env
-from ep_image.build import dedup, stage_cudnn, tree_sync
+from ep_image import SOURCE_ROOT, backends, child_env, cli
+from ep_image.build_steps import dedup, stage_cudnn, tree_sync
 from ep_image.project import SKELETON_RECORD as SKELETON_FILE
 from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import write_json
 from ep_image.tools import USE_EP
+
+PROG = "image_stage"
 
 
 class StageError(RuntimeError):
@@ -143,10 +146,12 @@ def finish(prefix: Path, requested: str) -> dict[str, object]:
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="image_stage.py",
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
+        prog=PROG,
         description="The Dockerfile's image-<EP> and final steps (see the module docstring).",
+        epilog="Exit codes: 0 done; 1 the stage cannot do its job (the error names why and the "
+        "fix); 2 bad usage.",
     )
     parser.add_argument("--prefix", type=Path, default=Path("/opt/venvs"))
     sub = parser.add_subparsers(dest="step", required=True)
@@ -162,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         help="one backend whose venv is already under --prefix (the stage is FROM ep-BACKEND)",
     )
     sub.add_parser("manifest", help="write env-manifest.json with check-env")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         if args.step == "assemble":
             assemble(args.backends, args.mounts, args.prefix, args.in_place)
@@ -170,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             manifest(args.prefix)
     except (StageError, backends.UnknownBackendError) as exc:
-        print(f"image_stage: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)  # its one message names the fix
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ import os
 import shutil
 import stat
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ep_image import cli
 
 #: At most this many problems of the source are listed (then how many more).
 _LISTED = 20
@@ -206,9 +209,9 @@ def _sync_file(
     report.bytes_written += src.st_size
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tree_sync.py",
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
+        prog="tree_sync",
         description=(
             "Make TARGET equal to SOURCE, writing only the entries that differ: the same "
             "paths and types, files of the same size, mode and owner with the same mtime "
@@ -218,17 +221,20 @@ def main(argv: list[str] | None = None) -> int:
             "hardlinked elsewhere keeps its content there. The source is checked first: a "
             "FIFO, socket, device, unreadable file or unlistable directory in it refuses the "
             "sync before anything is written. rsync -a --delete, without needing rsync; the "
-            "image's multi-backend stage uses it (python3 -m ep_image.build.image_stage)."
+            "image's multi-backend stage uses it (python3 -m ep_image.build_steps.image_stage)."
         ),
         epilog=(
             "Exit codes: 0 equal now; 1 refused or failed (the message names the path and the "
-            "fix); 2 bad usage. Example: python3 -m ep_image.build.tree_sync "
+            "fix); 2 bad usage. Example: python3 -m ep_image.build_steps.tree_sync "
             "/mnt/ep-BACKEND/BACKEND /opt/venvs/BACKEND"
         ),
     )
     parser.add_argument("source", type=Path, metavar="SOURCE", help="the tree to copy")
     parser.add_argument("target", type=Path, metavar="TARGET", help="made equal to SOURCE")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         report = sync_tree(args.source, args.target)
     except SyncError as exc:
@@ -244,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"tree_sync: {args.source} -> {args.target}: {report.summary()}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run("tree_sync", parse_args, run, argv)
 
 
 if __name__ == "__main__":

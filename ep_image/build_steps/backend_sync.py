@@ -9,10 +9,10 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import nvshmem, source_build
-from ep_image.build import lock_sync
-from ep_image.build.source_prep import prepare_source_build
-from ep_image.build.te_wheels import TE_DISTRIBUTION, TE_EXTRA
-from ep_image.build.uv_run import BuildError, run, sync_failure
+from ep_image.build_steps import lock_sync
+from ep_image.build_steps.source_prep import prepare_source_build
+from ep_image.build_steps.te_wheels import TE_DISTRIBUTION, TE_EXTRA
+from ep_image.build_steps.uv_run import BuildError, run, sync_failure
 from ep_image.project import site_packages
 
 

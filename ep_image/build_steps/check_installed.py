@@ -10,6 +10,7 @@ not export, e.g. built against another torch (bound by the loader: ep_image/abi.
 imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
 
     check-installed --venv /opt/venvs/BACKEND --backend BACKEND [--json PATH]
+    (from a checkout: python3 -m ep_image.build_steps.check_installed ...)
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ep_image import abi, ld_trace, project
+from ep_image import abi, cli, ld_trace, project
 from ep_image import backends as ep_backends
 
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
 DRIVER_WHERE = "GPU driver (host, at run time)"
 
+PROG = "check_installed"
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 
@@ -179,28 +182,46 @@ def print_report(report: Report) -> None:
         print(f"  PROBLEM   {problem}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
+        prog=PROG,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 installed as expected; 1 problems found (listed); 2 bad usage, "
+        "or a --venv that cannot be inspected.",
     )
     parser.add_argument("--venv", type=Path, required=True, help="the venv to inspect")
     parser.add_argument("--backend", required=True, help=f"one of {ep_backends.valid_names_text()}")
-    parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_json("also write the report here")
     args = parser.parse_args(argv)
     try:
         ep_backends.validate_backend(args.backend)
     except ep_backends.UnknownBackendError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        raise cli.UsageError(str(error)) from None
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         report = check(args.venv, args.backend)
-    except (FileNotFoundError, ld_trace.LoaderError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+    except FileNotFoundError as error:
+        raise cli.FixableError(
+            str(error),
+            "pass --venv <prefix>/<backend>, a venv that make_venv built",
+            EXIT_USAGE,
+        ) from None
+    except ld_trace.LoaderError as error:
+        raise cli.FixableError(
+            str(error), "run it on a glibc Linux system, whose ld.so can trace the venv", EXIT_USAGE
+        ) from None
     print_report(report)
     if args.json:
         project.write_json(args.json, asdict(report), sort_keys=False)
     return EXIT_PROBLEM if report.problems else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

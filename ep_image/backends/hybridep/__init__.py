@@ -1,4 +1,8 @@
-"""HybridEP (``deep_ep.HybridEPBuffer``): NVIDIA's hybrid-ep branch of DeepEP, source-built."""
+"""HybridEP (``deep_ep.HybridEPBuffer``): NVIDIA's hybrid-ep branch of DeepEP, source-built.
+
+A package, not a module: beside its ``SPEC`` it holds the JIT cache its kernels need
+(``jit_cache``: HybridEP compiles them in every process). The registry imports only this file.
+"""
 
 from ep_image.backends._spec import NVSHMEM, BackendSpec
 

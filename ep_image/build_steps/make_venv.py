@@ -5,7 +5,6 @@ Why: the backends all ship ``deep_ep``, so each needs a venv of its own, built f
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import enum
 import json
@@ -13,15 +12,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image import child_env, source_build
-from ep_image.build import dedup as dedup_step
-from ep_image.build import lock_sync
-from ep_image.build.atomic_venv import (
+from ep_image import child_env, cli, source_build
+from ep_image.build_steps import dedup as dedup_step
+from ep_image.build_steps import lock_sync
+from ep_image.build_steps.atomic_venv import (
     assert_relocated,
     building,
     move_into_place,
@@ -29,23 +28,23 @@ from ep_image.build.atomic_venv import (
     prepare_prefix,
     remove_stale,
 )
-from ep_image.build.backend_sync import sync_backend
-from ep_image.build.bytecode import (
+from ep_image.build_steps.backend_sync import sync_backend
+from ep_image.build_steps.bytecode import (
     compile_bytecode,
     compile_new_sources,
     python_sources,
     wants_bytecode,
 )
-from ep_image.build.te_wheels import (
+from ep_image.build_steps.te_wheels import (
     TE_DISTRIBUTION,
     TE_DISTRIBUTIONS,
     TE_RECORD,
     install_te,
     select_te_wheels,
 )
-from ep_image.build.uv_run import BuildError, tail, uv_executable
-from ep_image.build.venv_checks import check_abi, verify_backend
-from ep_image.build.venv_record import (
+from ep_image.build_steps.uv_run import BuildError, tail, uv_executable
+from ep_image.build_steps.venv_checks import check_abi, verify_backend
+from ep_image.build_steps.venv_record import (
     SKELETONS_RECORD,
     build_info,
     installed_distributions,
@@ -56,9 +55,8 @@ from ep_image.build.venv_record import (
 )
 from ep_image.project import SKELETON_RECORD, VENV_RECORD, VenvError, write_json
 
+PROG = "make_venv"
 EXIT_BUILD_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # as a shell reports a command ended by Ctrl-C
 
 
 class Mode(enum.Enum):
@@ -101,9 +99,9 @@ def one_build(prefix: Path, name: str) -> Iterator[None]:
 
 
 def dedup_venvs(*venvs: Path) -> dict[str, object]:
-    """Hardlink identical files inside and across ``venvs`` (ep_image/build/dedup.py), in the layer
-    that wrote them: the image asks for it, because linking in a later layer would copy each
-    kept file up instead of saving anything."""
+    """Hardlink identical files inside and across ``venvs`` (ep_image/build_steps/dedup.py), in
+    the layer that wrote them: the image asks for it, because linking in a later layer would
+    copy each kept file up instead of saving anything."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "dedup.json"
         cmd = dedup_step.command("--json", report, *venvs)
@@ -216,8 +214,8 @@ def build_skeletons(uv: str, opts: Options) -> list[Path]:
     """``--skeleton``: every backend the project defines, without its own distribution,
     hardlinked together, so the shared files sit once in a layer below every ``ep-<backend>``
     stage and an image with several backends copies only what differs
-    (ep_image/build/image_stage.py). The record says which; backends the project lacks (a fork,
-    a test) are skipped."""
+    (ep_image/build_steps/image_stage.py). The record says which; backends the project lacks
+    (a fork, a test) are skipped."""
     built, absent = [], {}
     for name in opts.backends:
         try:
@@ -254,24 +252,25 @@ def check_inputs(opts: Options) -> None:
         if not wheel.is_file():
             raise BuildError(
                 f"--te-wheel {wheel} not found: build it first with "
-                "python3 -m ep_image.build.build_te"
+                "python3 -m ep_image.build_steps.build_te"
             )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> cli.Parser:
     """The command line (documentation included); ``parse_args`` checks what it cannot."""
-    parser = argparse.ArgumentParser(
-        prog="make_venv.py",
+    parser = cli.Parser(
+        prog=PROG,
         description=(
             "Create <prefix>/<backend>, a venv holding one EP backend, from the committed "
             "uv.lock (uv sync --frozen --extra <backend>), plus Transformer Engine from a wheel "
-            "built once by build_te.py. The venv is built under a temporary name and "
+            "built once by build_te. The venv is built under a temporary name and "
             f"renamed into place when complete, with <venv>/{VENV_RECORD} saying what it holds."
         ),
         epilog=(
             f"Backends: {ep_backends.valid_names_text()}. Exit codes: 0 built; 1 the build "
-            "failed (nothing left behind); 2 bad usage (e.g. an unknown backend). Example: "
-            f"python3 -m ep_image.build.make_venv --backend {ep_backends.DEFAULT_BACKEND} "
+            "failed (nothing left behind); 2 bad usage (e.g. an unknown backend); 130 "
+            "interrupted. Example: "
+            f"python3 -m ep_image.build_steps.make_venv --backend {ep_backends.DEFAULT_BACKEND} "
             "--prefix /opt/venvs "
             "--te-wheel /wheels/transformer_engine-2.17.0-cp312-cp312-linux_x86_64.whl"
         ),
@@ -394,27 +393,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None) -> Options:
-    """The options, or exit 2 for bad usage (1 for a TE record that does not match its wheel)."""
-    cli = build_parser()
-    args = cli.parse_args(argv)
+def parse_args(argv: Sequence[str] | None) -> Options:
+    """The options; a UsageError for bad usage (exit 2), a FixableError for a TE record that
+    does not match its wheel (exit 1)."""
+    args = build_parser().parse_args(argv)
     try:
         backends = ep_backends.expand_backends(args.backend)
     except ep_backends.UnknownBackendError as exc:
-        cli.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
+        raise cli.UsageError(str(exc)) from None
     if args.variant is not None:
         if len(backends) != 1:
-            cli.exit(EXIT_USAGE, "make_venv.py: error: --variant takes exactly one --backend\n")
+            raise cli.UsageError("--variant takes exactly one --backend")
         try:
             ep_backends.get_backend(backends[0], args.project.resolve(), args.variant)
         except (ep_backends.UnknownBackendError, ep_backends.RegistryError) as exc:
-            cli.exit(EXIT_USAGE, f"make_venv.py: error: {exc}\n")
+            raise cli.UsageError(str(exc)) from None
     if args.te_record is not None and args.te_wheel_dir is None:
-        cli.exit(EXIT_USAGE, "make_venv.py: error: --te-record needs --te-wheel-dir\n")
-    try:
-        te_wheels = select_te_wheels(args.te_wheel, args.te_wheel_dir, args.te_record)
-    except BuildError as exc:
-        cli.exit(EXIT_BUILD_FAILED, f"make_venv: error: {exc}\n")
+        raise cli.UsageError("--te-record needs --te-wheel-dir")
+    te_wheels = select_te_wheels(args.te_wheel, args.te_wheel_dir, args.te_record)
     skip = [*args.no_install_package, *args.no_install_packages.replace(",", " ").split()]
     mode = Mode.SKELETON if args.skeleton else Mode.COMPLETE if args.complete else Mode.VENV
     return Options(
@@ -432,8 +428,9 @@ def parse_args(argv: list[str] | None) -> Options:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(argv)
+def run(opts: Options) -> int:
+    """Build what ``opts`` asks for. A build error is one line naming its fix (each backend's
+    as it fails, with --keep-going the others are still built), exit 1."""
     failed: list[str] = []
     try:
         check_inputs(opts)
@@ -447,27 +444,31 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 build(uv, name, opts)
             except BuildError as exc:
-                print(f"make_venv: error: {exc}", file=sys.stderr)
+                print(f"{PROG}: error: {exc}", file=sys.stderr)
                 failed.append(name)
                 if not opts.keep_going:
                     break
     except BuildError as exc:
-        print(f"make_venv: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BUILD_FAILED
     except KeyboardInterrupt:
         print(
-            f"make_venv: interrupted; no half-built venv is left under {opts.prefix} (a venv "
-            f"being completed in place keeps its {SKELETON_RECORD}: run --complete again)",
+            f"{PROG}: no half-built venv is left under {opts.prefix} (a venv being completed "
+            f"in place keeps its {SKELETON_RECORD}: run --complete again)",
             file=sys.stderr,
         )
-        return EXIT_INTERRUPTED
+        raise
     if failed:
         print(
-            f"make_venv: failed: {', '.join(failed)} (each error above names its fix)",
+            f"{PROG}: failed: {', '.join(failed)} (each error above names its fix)",
             file=sys.stderr,
         )
         return EXIT_BUILD_FAILED
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ep_image.build.uv_run import BuildError
+from ep_image.build_steps.uv_run import BuildError
 
 
 def stale_temp_dirs(prefix: Path, backend: str) -> list[Path]:

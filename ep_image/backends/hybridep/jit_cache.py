@@ -1,0 +1,302 @@
+"""HybridEP's JIT kernels kept across processes: a shared cache keyed on what they are built from.
+
+HybridEP compiles its kernels with nvcc into a directory of each process's own and never shares
+them (docs/backends.md, "HybridEP's JIT kernels"); ``prepare()`` fills this process's directory
+from ``$EP_HYBRIDEP_JIT_CACHE`` before a ``HybridEPBuffer`` is built, ``publish()`` adds what it
+compiled. The key is cache_key's, the per-process directories proc_dirs', the files placed whole
+by kernel_files. Nothing here may fail a training job: every problem becomes one warning.
+Standard library only: the probes load it inside backend venvs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ep_image.backends.hybridep.cache_key import (
+    KEY_RECORD,
+    CacheOff,
+    arch_label,
+    cache_key,
+    find_package,
+)
+from ep_image.backends.hybridep.kernel_files import (
+    clean_temps,
+    kernels,
+    place,
+    valid_kernel,
+    write_record,
+)
+from ep_image.backends.hybridep.proc_dirs import (
+    MARKER,
+    clean_stale,
+    jit_dir,
+    marker_for,
+    read_marker,
+    remove_tree,
+)
+
+CACHE_ENV = "EP_HYBRIDEP_JIT_CACHE"
+DEFAULT_CACHE = "/var/cache/ep-jit/hybrid_ep"
+OFF = frozenset({"", "0", "off", "no", "none", "false"})
+
+_lock = threading.Lock()
+_open: dict[tuple[int, str], JitCache] = {}
+_warned: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    """One warning per message and process: eight ranks need not repeat it eight times each step."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"HybridEP JIT cache: {message}", RuntimeWarning, stacklevel=3)
+
+
+def cache_dir(env: Mapping[str, str]) -> tuple[str | None, str]:
+    """The shared cache directory (None when disabled) and where that came from."""
+    if CACHE_ENV not in env:
+        return DEFAULT_CACHE, "default"
+    value = env[CACHE_ENV].strip()
+    return (None if value.lower() in OFF else value), CACHE_ENV
+
+
+@dataclass
+class JitCache:
+    """One process's use of the shared cache; ``facts()`` is its part of a JSON report.
+
+    ``load_cached_kernels`` is what to pass to ``HybridEPBuffer``: True once this process's
+    jit directory holds only complete kernels of this build (from the cache or compiled here).
+    """
+
+    jit_dir: Path
+    cache_dir: str | None
+    cache_from: str
+    key: str | None = None
+    key_dir: Path | None = None
+    key_material: dict[str, Any] = field(default_factory=dict)
+    load_cached_kernels: bool = False
+    writable: bool = False
+    reason: str = ""
+    files_before: int = 0
+    warm_started: list[str] = field(default_factory=list)
+    published: list[str] = field(default_factory=list)
+    stale_removed: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: {"prepare": 0.0, "publish": 0.0})
+    pid: int = field(default_factory=os.getpid)
+    owns_dir: bool = False
+    counted: bool = False
+    users: int = 1
+    closed: bool = False
+
+    @property
+    def state(self) -> str:
+        """``on``, ``read-only`` (kernels loaded, new ones not kept) or ``off``."""
+        if self.key_dir is None:
+            return "off"
+        return "on" if self.writable else "read-only"
+
+    def warm_start(self) -> list[str]:
+        """Place every valid cached kernel this directory lacks; return their names."""
+        placed: list[str] = []
+        if self.key_dir is None or not self.key_dir.is_dir():
+            return placed
+        have = {e.name for e in kernels(self.jit_dir)}
+        cached = list(kernels(self.key_dir))
+        if not self.counted:
+            self.files_before, self.counted = len(cached), True
+        for entry in cached:
+            if entry.name in have:
+                continue
+            src = Path(entry.path)
+            if not valid_kernel(src):
+                # Every name in the cache was published whole: this one is damaged. Drop it so
+                # the next publisher can replace it.
+                with contextlib.suppress(OSError):
+                    os.unlink(src)
+                _warn(f"removed a damaged kernel from the cache: {src}")
+                continue
+            try:
+                os.link(src, self.jit_dir / entry.name)  # same filesystem: no copy
+                placed.append(entry.name)
+            except FileExistsError:
+                continue
+            except OSError:
+                if place(src, self.jit_dir, entry.name, durable=False):
+                    placed.append(entry.name)
+        self.warm_started.extend(placed)
+        return placed
+
+    def publish(self) -> list[str]:
+        """Copy the kernels this process compiled into the shared cache; return their names.
+
+        Call it after the first dispatch and combine (and backward) have run; ``close()``
+        calls it once more. Never raises.
+        """
+        if self.closed or os.getpid() != self.pid or not self.writable or self.key_dir is None:
+            return []
+        started = time.monotonic()
+        new: list[str] = []
+        try:
+            with _lock:
+                cached = {e.name for e in kernels(self.key_dir)}
+                for entry in kernels(self.jit_dir):
+                    if entry.name in cached or not valid_kernel(Path(entry.path)):
+                        continue
+                    if place(Path(entry.path), self.key_dir, entry.name, durable=True):
+                        new.append(entry.name)
+                with contextlib.suppress(OSError):
+                    dir_fd = os.open(self.key_dir, os.O_RDONLY)
+                    try:
+                        os.fsync(dir_fd)
+                    finally:
+                        os.close(dir_fd)
+        except OSError as exc:
+            _warn(f"cannot publish to {self.key_dir} ({exc}): new kernels are not kept")
+        self.published.extend(new)
+        self.seconds["publish"] = round(self.seconds["publish"] + time.monotonic() - started, 6)
+        return new
+
+    def close(self, publish: bool = True) -> None:
+        """Publish (unless told not to) and remove this process's jit directory, once the
+        last user in this process closes. A forked child never touches its parent's."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        with _lock:
+            self.users -= 1
+            last = self.users <= 0
+        if publish:
+            self.publish()
+        if not last:
+            return
+        self.closed = True
+        with _lock:
+            _open.pop((self.pid, str(self.jit_dir)), None)
+        if self.owns_dir:
+            remove_tree(self.jit_dir)
+
+    def close_at_exit(self) -> None:
+        """The process ends: publish and remove, however many users are still open."""
+        self.users = 1
+        self.close()
+
+    def facts(self) -> dict[str, Any]:
+        """The report's view: where, which key, what was there, what this process added."""
+        return {
+            "jit_cache_dir": self.cache_dir,
+            "jit_cache_from": self.cache_from,
+            "jit_cache_state": self.state,
+            "jit_cache_reason": self.reason,
+            "jit_cache_key": self.key,
+            "jit_cache_key_material": self.key_material,
+            "jit_dir": str(self.jit_dir),
+            "load_cached_kernels": self.load_cached_kernels,
+            "jit_cache_files_before": self.files_before,
+            "jit_cache_warm_started": len(self.warm_started),
+            "jit_cache_published": sorted(self.published),
+            "jit_cache_stale_removed": len(self.stale_removed),
+            "jit_cache_seconds": dict(self.seconds),
+        }
+
+
+def prepare(
+    env: Mapping[str, str] | None = None,
+    *,
+    arch: str | tuple[int, int] | None = None,
+    package_dir: str | Path | None = None,
+    at_exit: bool = True,
+) -> JitCache:
+    """Ready this process's HybridEP jit directory before a ``HybridEPBuffer`` is built.
+
+    Removes stale proc-<pid> directories, empties a leftover one of this pid, and links in
+    the cached kernels of this build. Pass ``arch`` (``torch.cuda.get_device_capability()``)
+    and ``package_dir`` (``os.path.dirname(deep_ep.__file__)``) when at hand; without them
+    nvidia-smi and ``importlib`` find them. A second call in the same process returns the
+    same object (several buffers, one directory). Never raises: a cache that cannot be used
+    gives ``load_cached_kernels=False`` and one warning.
+    """
+    env = dict(os.environ if env is None else env)
+    directory = jit_dir(env)
+    with _lock:
+        existing = _open.get((os.getpid(), str(directory)))
+        if existing is not None and not existing.closed:
+            existing.users += 1
+    if existing is not None and not existing.closed:
+        with contextlib.suppress(OSError):
+            existing.warm_start()
+        return existing
+
+    started = time.monotonic()
+    root, source = cache_dir(env)
+    cache = JitCache(jit_dir=directory, cache_dir=root, cache_from=source)
+    try:
+        _prepare(cache, env, arch, package_dir)
+    except Exception as exc:  # a cache must never take the job down with it
+        cache.key_dir, cache.writable, cache.load_cached_kernels = None, False, False
+        cache.reason = str(exc) if isinstance(exc, CacheOff) else f"{type(exc).__name__}: {exc}"
+        if root is not None:
+            _warn(f"{cache.reason}; HybridEP compiles its kernels in this process")
+    cache.seconds["prepare"] = round(time.monotonic() - started, 6)
+    with _lock:
+        _open[(cache.pid, str(directory))] = cache
+    if at_exit:
+        atexit.register(cache.close_at_exit)
+    return cache
+
+
+def _prepare(
+    cache: JitCache,
+    env: Mapping[str, str],
+    arch: str | tuple[int, int] | None,
+    package_dir: str | Path | None,
+) -> None:
+    # This process's directory first: whatever happens to the shared cache, it must not hold
+    # kernels a dead process with the same pid left (containers reuse small pids).
+    directory = cache.jit_dir
+    mine = marker_for(cache.pid)
+    if read_marker(directory) != mine and directory.exists():
+        remove_tree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MARKER).write_text(json.dumps(mine) + "\n")
+    cache.owns_dir = True
+    cache.stale_removed = clean_stale(directory.parent)
+
+    if cache.cache_dir is None:
+        cache.reason = f"disabled ({CACHE_ENV}={env.get(CACHE_ENV, '')!r})"
+        return
+    package, extension = find_package(package_dir)
+    cuda_home = env.get("CUDA_HOME", "")
+    if not cuda_home:
+        raise CacheOff("CUDA_HOME is not set (HybridEP runs $CUDA_HOME/bin/nvcc)")
+    label = arch_label(arch, env)
+    cache.key, cache.key_material = cache_key(
+        package, extension, Path(cuda_home) / "bin" / "nvcc", label, env
+    )
+    key_dir = Path(cache.cache_dir) / cache.key
+    try:
+        key_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(key_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+        write_record(key_dir, KEY_RECORD, {**cache.key_material, "extension": str(extension)})
+        clean_temps(key_dir, time.time())
+        cache.writable = True
+    except OSError as exc:
+        if not key_dir.is_dir():
+            raise CacheOff(
+                f"cannot create {key_dir} ({exc.strerror or exc}): set {CACHE_ENV} to a "
+                "writable directory, or to off"
+            ) from None
+        cache.reason = f"{key_dir} is read-only here ({exc.strerror or exc})"
+        _warn(f"{cache.reason}: cached kernels are used, new ones are not kept")
+    cache.key_dir = key_dir
+    cache.warm_start()
+    cache.load_cached_kernels = True

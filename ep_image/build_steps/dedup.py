@@ -1,0 +1,290 @@
+"""Hardlink identical regular files across directory trees (per-backend venvs): the command.
+
+N venvs that carry the same torch and CUDA libraries then cost about one. util-linux
+``hardlink`` finds and links (dedup_hardlink); this command adds what it does not guarantee: one
+filesystem, the excludes, the bytecode rule, ``--read-only`` (dedup_read_only) and a report in
+``du``'s terms (dedup_report, from dedup_tree's walks). See docs/host-mode.md, sections
+"Deduplicating venvs" and "Hardlinked venvs and installers".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from ep_image import cli
+from ep_image.build_steps import dedup_read_only as read_only_mode
+from ep_image.build_steps import dedup_tree
+from ep_image.build_steps.dedup_hardlink import find_hardlink, hardlink_argv, run_hardlink
+from ep_image.build_steps.dedup_report import (
+    Report,
+    account,
+    linked_pairs,
+    predict,
+    print_report,
+    write_report,
+)
+from ep_image.build_steps.dedup_tree import MODES_JOURNAL, DedupError
+
+PROG = "dedup"
+#: Paths (relative to a root; a pattern without "/" matches the file name) never linked by
+#: default: small files that tools rewrite in place, where a shared inode would leak a write.
+DEFAULT_EXCLUDES: tuple[str, ...] = (
+    "pyvenv.cfg",
+    "*.pth",
+    "bin/activate*",
+    "bin/deactivate*",
+    "*.dist-info/RECORD",
+    "*.dist-info/INSTALLER",
+    "*.dist-info/REQUESTED",
+    "*.dist-info/direct_url.json",
+    "ep-backend.json",
+)
+#: The two passes of the bytecode rule: everything but .py files, then only .py files.
+_PY = r"\.py$"
+_NOT_PY = r"([^.]..|.[^p].|..[^y])$"
+
+
+def resolve_roots(roots: Iterable[str | Path]) -> tuple[list[Path], int]:
+    """Absolute, existing, non-nested roots on one device; DedupError otherwise."""
+    resolved: list[Path] = []
+    for root in roots:
+        path = Path(root).resolve()
+        if not path.is_dir():
+            raise DedupError(
+                f"{root}: not a directory", "give each ROOT as an existing directory tree"
+            )
+        resolved.append(path)
+    devices = {path: os.stat(path).st_dev for path in resolved}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{p} (device {d})" for p, d in devices.items())
+        raise DedupError(
+            "ROOTs are on different filesystems and hardlinks cannot cross filesystems: "
+            f"{listing}. Nothing was changed.",
+            "run dedup once per filesystem, or move the trees onto one filesystem first",
+        )
+    kept = [p for p in sorted(set(resolved)) if not any(q in p.parents for q in resolved)]
+    return kept, devices[resolved[0]]
+
+
+def is_excluded(relative: str, patterns: Iterable[str]) -> bool:
+    """True if ``relative`` (posix, under a root) matches one of the fnmatch ``patterns``."""
+    return any(re.search(dedup_tree.glob_to_regex(p), "/" + relative) for p in patterns)
+
+
+def dedup(
+    roots: Iterable[str | Path],
+    *,
+    dry_run: bool = False,
+    read_only: bool = False,
+    excludes: tuple[str, ...] = DEFAULT_EXCLUDES,
+    min_size: int = 1,
+) -> Report:
+    """Deduplicate ``roots`` and return the report (DedupError: refused, nothing changed)."""
+    started = time.monotonic()
+    paths, device = resolve_roots(roots)
+    binary, version = find_hardlink()
+    report = Report(
+        roots=[str(p) for p in paths], device=device, dry_run=dry_run, read_only=read_only
+    )
+    report.tool = version
+    regexes = [dedup_tree.glob_to_regex(p) for p in excludes]
+    regexes += [dedup_tree.literal_regex(str(p / MODES_JOURNAL)) for p in paths]
+    exclude = re.compile("|".join(regexes))
+    skipped: Counter[str] = Counter()
+
+    # A killed --read-only run's journals first: the walk below must see the modes as they were.
+    read_only_mode.restore_journals(paths, report, dry_run=dry_run)
+    before = dedup_tree.scan(
+        paths,
+        device,
+        exclude,
+        min_size,
+        skipped,
+        find_timestamp_pyc=True,
+        keep_paths=read_only,
+        index_paths=True,
+    )
+    clear = read_only_mode.to_clear(before) if read_only else {}
+    apart = read_only_mode.keep_apart(before, clear) if read_only else []
+    if dry_run:
+        clear = {}  # nothing is changed; the excludes above are the real run's
+    apart_regexes = read_only_mode.apart_excludes(apart)
+    if apart:
+        skipped[
+            "also linked from outside the ROOTs: kept apart from their copies (--read-only)"
+        ] = len(apart)
+    if clear:
+        read_only_mode.write_journals(before, clear, paths)
+
+    for temp in before.stale_temps:
+        if dry_run:
+            skipped["stale temporary links (removed on a real run)"] += 1
+        else:
+            try:
+                os.unlink(temp)
+            except OSError as exc:
+                report.failures.append(f"{temp}: cannot remove this leftover link: {exc}")
+            else:
+                report.stale_temps_removed += 1
+    report.book_before(before)
+
+    # The passes: one with --ignore-time; under the bytecode rule, .py files apart, by mtime.
+    base = regexes + [dedup_tree.literal_regex(d) for d in before.other_filesystems]
+    base += apart_regexes
+    passes = [(True, base)]
+    if before.timestamp_pyc:
+        passes = [(True, [*base, _PY]), (False, [*base, _NOT_PY])]
+    changed = read_only_mode.clear_write_bits(before, clear, report)
+    pairs: list[tuple[str, str]] = []
+    for ignore_time, regex_list in passes:
+        argv = hardlink_argv(
+            binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run, min_size=min_size
+        )
+        run = run_hardlink(argv)
+        report.commands.append(argv)
+        report.failures += run.failures
+        pairs += run.pairs
+
+    if dry_run:
+        after = predict(before, pairs)
+    else:
+        pairs = list(linked_pairs(pairs, before))
+        after = dedup_tree.scan(paths, device, exclude, min_size, Counter(), keep_paths=read_only)
+    report.files_linked = len(pairs)
+    replaced = {before.index[r] for _, r in pairs if r in before.index}
+    for root in sorted(set(before.vanished_roots + after.vanished_roots)):
+        report.failures.append(
+            f"{root}: this ROOT vanished while dedup ran (removed or renamed by another "
+            "process); its files are left out of the figures; run dedup again on the trees "
+            "that exist"
+        )
+    account(before, after, replaced, report)
+    if read_only and not dry_run:
+        read_only_mode.settle_modes(after, changed, report)
+        read_only_mode.drop_journals(paths)
+    for reason, count in skipped.items():
+        report.skipped[reason] = report.skipped.get(reason, 0) + count
+    report.seconds = round(time.monotonic() - started, 3)
+    return report
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give a whole number of bytes, 0 or more (e.g. 4096)"
+        )
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
+        prog=PROG,
+        description=(
+            "Hardlink identical regular files across the given trees, so several venvs cost "
+            "about one. util-linux hardlink links files with equal bytes, mode, owner, group "
+            "and xattrs, each duplicate replaced atomically (link to a temporary name, then "
+            "rename); this command adds the same-filesystem check, the excludes, the bytecode "
+            "rule, --read-only and a report in du's terms. A second run is a no-op."
+        ),
+        epilog=(
+            "Exit codes: 0 done; 1 some files could not be linked or hardlink stopped early "
+            "(listed; run again to finish); 2 refused before changing anything (bad usage, "
+            "bad ROOT, ROOTs on different filesystems, no util-linux hardlink >= 2.38). "
+            "Example: python3 -m ep_image.build_steps.dedup --json /tmp/dedup.json "
+            "/opt/venvs/one /opt/venvs/two"
+        ),
+    )
+    parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to deduplicate")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="compare everything, report, change nothing"
+    )
+    parser.add_json("also write the report here (checked before anything changes)")
+    parser.add_argument(
+        "--read-only",
+        action="store_true",
+        help=(
+            "clear the write bits of every inode shared by two or more paths, so an in-place "
+            "write into one venv fails instead of changing the others (not for root, which "
+            "ignores permission bits). Installers still work: they unlink, never write in place"
+        ),
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help=(
+            "never link paths matching PATTERN (fnmatch; without '/' it matches the file name, "
+            "with '/' the path's last components); repeatable, adds to the defaults"
+        ),
+    )
+    parser.add_argument(
+        "--no-default-excludes",
+        action="store_true",
+        help=f"drop the default excludes ({', '.join(DEFAULT_EXCLUDES)})",
+    )
+    parser.add_argument(
+        "--min-size",
+        type=_size,
+        default=1,
+        metavar="BYTES",
+        help="skip files smaller than this (default 1: empty files save nothing)",
+    )
+    return parser.parse_args(argv)
+
+
+def command(*args: str | os.PathLike[str]) -> list[str]:
+    """How another build step runs dedup: in a process of its own (run it with
+    ``ep_image.child_env()``), so that its report and exit code are dedup's own."""
+    return [sys.executable, "-m", "ep_image.build_steps.dedup", *map(str, args)]
+
+
+def run(args: argparse.Namespace) -> int:
+    excludes = () if args.no_default_excludes else DEFAULT_EXCLUDES
+    try:
+        report = dedup(
+            args.roots,
+            dry_run=args.dry_run,
+            read_only=args.read_only,
+            excludes=excludes + tuple(args.exclude),
+            min_size=args.min_size,
+        )
+    except KeyboardInterrupt:
+        raise cli.FixableError(
+            "interrupted: every path still holds a complete file",
+            "run dedup again to finish (it also gives back write bits an interrupted "
+            "--read-only run cleared)",
+            cli.EXIT_INTERRUPTED,
+        ) from None
+    print_report(report)
+    if args.json:
+        try:
+            write_report(args.json, report)
+        except OSError as exc:
+            raise cli.FixableError(
+                f"cannot write the report to {args.json}: {exc}",
+                "the report is printed above; give --json a writable path",
+            ) from None
+    return 1 if report.failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
