@@ -63,7 +63,16 @@ def declared(pyproject: dict) -> dict[str, str]:
 #: Declared for the tools rather than setup.py: torch 2.14.1's headers need C++20, the pinned
 #: commit passes -std=c++17 to nvcc, and nvcc takes the last -std it is given; but NCCL's own
 #: make (setup.py's multi-node branch) must not pass C++20 to nvcc, so GNU make empties it.
-COMPILER_READS = {"NVCC_APPEND_FLAGS": "-std=c++20", "MAKEFLAGS": "-- NVCC_APPEND_FLAGS="}
+#: And for every DeepEP source build, read by torch's extension builder, gcc and setuptools: the
+#: CUDA home (torch otherwise guesses it from the nvcc on PATH), CUDA 13's libcu++ for NVSHMEM's
+#: headers, and a runpath to the venv's own NVSHMEM (setup.py's names uv's build environment).
+COMPILER_READS = {
+    "NVCC_APPEND_FLAGS": "-std=c++20",
+    "MAKEFLAGS": "-- NVCC_APPEND_FLAGS=",
+    "CUDA_HOME": "/usr/local/cuda",
+    "CPATH": "/usr/local/cuda/include/cccl",
+    "LDFLAGS": "-Wl,-rpath,$ORIGIN/nvidia/nvshmem/lib",
+}
 
 
 def test_declared_variables_select_the_doca_multinode_build(declared: dict[str, str]) -> None:
