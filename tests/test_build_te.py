@@ -23,7 +23,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from _venv_helpers import build_wheel
+from test_source_build import fake_cuda
 
+from ep_image import prebuilt, project
 from ep_image.build_steps import te_environment, te_source, venv_cudnn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,3 +264,77 @@ def test_clone_of_the_pin_goes_through_the_git_config(
     config.write_text('[url "file:///nonexistent/"]\n\tinsteadOf = https://github.com/\n')
     with pytest.raises(te_source.BuildTeError, match="gitconfig secret"):
         te_source.clone_pinned(project, tmp_path / "src2")
+
+
+# --- a prebuilt TE wheel (--prebuilt, the image's PREBUILT_WHEELS) ---------------------------
+
+
+def prebuilt_dir(path: Path, **changes: object) -> Path:
+    """A TE wheel and the te-build.json build_te would write for this lock and arch list 9.0,
+    with ``changes`` applied to the record."""
+    files = {"transformer_engine/__init__.py": ""}
+    wheel = build_wheel(path, "transformer_engine", "2.17.0", files)
+    tagged = wheel.with_name(f"transformer_engine-2.17.0-{prebuilt.python_tag()}-linux_x86_64.whl")
+    wheel.rename(tagged)
+    record = {
+        "skipped": False,
+        "te_commit": te_source.pinned_commit(ROOT),
+        "torch_version": locked_version("torch"),
+        "cudnn_dist_version": locked_version("nvidia-cudnn-cu13"),
+        "cudnn_frontend_version": locked_version("nvidia-cudnn-frontend"),
+        "arch_list": "9.0",
+        "cuda_version": "13.0",
+        "nccl_ep": False,
+        "wheel": tagged.name,
+        "wheel_sha256": project.sha256_file(tagged),
+        **changes,
+    }
+    (path / "te-build.json").write_text(json.dumps(record))
+    return path
+
+
+def run_with_cuda(tmp_path: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CUDA_HOME": str(fake_cuda(tmp_path / "cuda")), "NVTE_WITH_NCCL_EP": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", SCRIPT, *map(str, args)],
+        capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+
+
+def test_a_matching_prebuilt_wheel_is_taken_without_building(tmp_path: Path) -> None:
+    """No venv, no source, no network: had it built, it would have tried to clone the pin."""
+    wheels = prebuilt_dir(tmp_path / "wheels")
+    out = tmp_path / "out"
+    proc = run_with_cuda(tmp_path, "--prebuilt", wheels, "--arch-list", "9.0", "--out", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "using the prebuilt transformer_engine-2.17.0" in proc.stdout
+    record = json.loads((out / "te-build.json").read_text())
+    assert (out / record["wheel"]).read_bytes() == (wheels / record["wheel"]).read_bytes()
+    assert record == json.loads((wheels / "te-build.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"arch_list": "9.0;10.0"}, "arch_list is '9.0;10.0', this build's is '9.0'"),
+        ({"torch_version": "2.13.0"}, "torch_version is '2.13.0'"),
+        ({"cudnn_dist_version": "9.19.0.56"}, "cudnn_dist_version is '9.19.0.56'"),
+        ({"te_commit": "0" * 40}, "te_commit is '0000"),
+        ({"wheel_sha256": "0" * 64}, "is not the wheel it records (sha256 differs)"),
+    ],
+)
+def test_a_prebuilt_wheel_that_differs_is_not_taken(
+    tmp_path: Path, change: dict, named: str
+) -> None:
+    """It builds instead (here from a source tree that lacks its submodules: exit 1, after
+    saying why the prebuilt wheel was not taken)."""
+    wheels = prebuilt_dir(tmp_path / "wheels", **change)
+    source = te_source_snapshot(tmp_path / "te")
+    proc = run_with_cuda(
+        tmp_path, "--prebuilt", wheels, "--arch-list", "9.0", "--venv", tmp_path / "no-venv",
+        "--source", source, "--out", tmp_path / "out",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Transformer Engine: compiling; no prebuilt wheel in" in proc.stdout
+    assert named in proc.stdout, proc.stdout
+    assert not (tmp_path / "out" / "te-build.json").exists()

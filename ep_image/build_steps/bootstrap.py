@@ -15,6 +15,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,14 @@ def ensure_test_packages() -> None:
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
+def shell_line(uv_dir: Path) -> str:
+    """``export PATH=...`` with ``uv_dir`` first, unless PATH already leads with it."""
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] == str(uv_dir):
+        return ":"
+    return f'export PATH={shlex.quote(str(uv_dir))}:"$PATH"'
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command: list[str] = []
@@ -143,17 +152,31 @@ def main(argv: list[str] | None = None) -> int:
             "with --tests the distribution packages the tests need; then run COMMAND, if "
             "given, with that uv first on PATH."
         ),
-        usage="python3 -m ep_image.build.bootstrap [--tests] [-- COMMAND [ARG...]]",
+        usage="python3 scripts/bootstrap.py [--tests] [--shell | -- COMMAND [ARG...]]",
+        epilog=(
+            'Put uv on PATH in this shell: eval "$(python3 scripts/bootstrap.py --shell)". '
+            "Run one command with it: python3 scripts/bootstrap.py -- uv sync --extra deepep_v2."
+        ),
     )
     parser.add_argument(
         "--tests",
         action="store_true",
         help="also install (apt-get, as root) " + ", ".join(p for _, p in TEST_PACKAGES),
     )
+    parser.add_argument(
+        "--shell",
+        action="store_true",
+        help="print the POSIX shell line that puts this uv first on PATH (for eval)",
+    )
     args = parser.parse_args(argv)
+    if args.shell and command:
+        parser.error("--shell prints a line for eval; it runs no COMMAND")
     uv_dir = ensure_uv()
     if args.tests:
         ensure_test_packages()
+    if args.shell:
+        print(shell_line(uv_dir))
+        return 0
     if not command:
         return 0
     env = {**os.environ, "PATH": f"{uv_dir}{os.pathsep}{os.environ.get('PATH', '')}"}

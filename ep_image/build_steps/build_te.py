@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from ep_image import SOURCE_ROOT, cli, tools
+from ep_image import SOURCE_ROOT, cli, prebuilt, tools
 from ep_image.build_steps.te_environment import (
     BUILD_REQUIREMENTS,
     build_command,
@@ -30,6 +30,7 @@ from ep_image.build_steps.te_environment import (
     install_build_requirements,
     make_build_venv,
     missing_build_requirements,
+    nvte_archs,
     torch_version,
 )
 from ep_image.build_steps.te_source import (
@@ -49,7 +50,7 @@ from ep_image.build_steps.te_source import (
 )
 from ep_image.build_steps.te_wheels import TE_RECORD
 from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn
-from ep_image.project import VenvError, sha256_file, write_json
+from ep_image.project import VenvError, locked_versions, sha256_file, write_json
 
 PROG = "build_te"
 
@@ -62,6 +63,44 @@ def write_record(out: Path, record: Mapping[str, object]) -> Path:
 def now() -> str:
     """UTC timestamp for records."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def prebuilt_expected(args: argparse.Namespace) -> dict[str, object]:
+    """What a prebuilt TE wheel's te-build.json must say to stand in for this build: the pinned
+    commit, the lock's torch, cuDNN and frontend, the arch list, nvcc's CUDA release and
+    whether NCCL EP is compiled in."""
+    project = args.project.resolve()
+
+    def locked(name: str) -> str | None:
+        versions = sorted(locked_versions(project, name))
+        return versions[0] if len(versions) == 1 else " | ".join(versions) or None
+
+    archs = prebuilt.arch_list_key(args.arch_list)
+    return {
+        "skipped": False,
+        "te_commit": pinned_commit(project),
+        "torch_version": locked("torch"),
+        "cudnn_dist_version": locked("nvidia-cudnn-cu13"),
+        "cudnn_frontend_version": locked("nvidia-cudnn-frontend"),
+        "arch_list": archs,
+        "cuda_version": cuda_version(os.environ),
+        "nccl_ep": nccl_ep_wanted(os.environ, nvte_archs(archs or "")),
+    }
+
+
+def take_prebuilt(args: argparse.Namespace) -> Path | None:
+    """The prebuilt wheel from ``--prebuilt`` copied into ``--out`` with its record, when that
+    record matches this build; None (after saying why) when none does."""
+    choice = prebuilt.choose(args.prebuilt, [TE_RECORD], prebuilt_expected(args))
+    print(choice.say(PROG, "Transformer Engine", args.prebuilt), flush=True)
+    if choice.wheel is None:
+        return None
+    args.out.mkdir(parents=True, exist_ok=True)
+    for source in (choice.wheel, args.prebuilt / TE_RECORD):
+        partial = args.out / f".{source.name}.partial"
+        shutil.copyfile(source, partial)
+        partial.replace(args.out / source.name)
+    return args.out / choice.wheel.name
 
 
 @contextlib.contextmanager
@@ -85,7 +124,7 @@ def skip_record(args: argparse.Namespace) -> dict[str, object]:
         "reason": args.skip,
         "te_version": None,
         "te_commit_pinned": pinned_commit(args.project),
-        "arch_list": args.arch_list,
+        "arch_list": prebuilt.arch_list_key(args.arch_list),
         "recorded_at": now(),
     }
     if args.venv is not None:
@@ -123,7 +162,7 @@ def plan(
         "cudnn_frontend_commit": frontend_commit(source),
         "cudnn_frontend_pinned": pinned_frontend(source),
         "nccl_ep": nccl_ep_wanted(os.environ, env["NVTE_CUDA_ARCHS"]),
-        "arch_list": args.arch_list,
+        "arch_list": prebuilt.arch_list_key(args.arch_list),
         "nvte_cuda_archs": env["NVTE_CUDA_ARCHS"],
         "torch_version": torch_version(venv),
         "build_requirements_missing": missing_build_requirements(venv),
@@ -278,6 +317,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="first install " + " ".join(BUILD_REQUIREMENTS) + " into VENV with uv",
     )
     parser.add_argument(
+        "--prebuilt",
+        type=Path,
+        metavar="DIR",
+        help=(
+            f"take the TE wheel in DIR instead of building, when the {TE_RECORD} beside it "
+            "matches this build (pinned commit, the lock's torch, cuDNN and frontend, "
+            "--arch-list, nvcc's CUDA, NCCL EP); else build, saying which field differs"
+        ),
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="print the environment and command, build nothing"
     )
     parser.add_argument(
@@ -331,6 +380,9 @@ def run(args: argparse.Namespace) -> int:
             args.uv = "uv" if shutil.which("uv") else tools.find_uv()
         if args.dry_run:
             print_plan(*plan(args, args.venv, args.source))
+            return 0
+        if args.prebuilt is not None and (wheel := take_prebuilt(args)) is not None:
+            print(f"build_te: {wheel} (prebuilt) and its {TE_RECORD} are in {args.out}")
             return 0
         with build_inputs(args) as (venv, source):
             planned = plan(args, venv, source)

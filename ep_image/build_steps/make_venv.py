@@ -28,7 +28,7 @@ from ep_image.build_steps.atomic_venv import (
     prepare_prefix,
     remove_stale,
 )
-from ep_image.build_steps.backend_sync import sync_backend
+from ep_image.build_steps.backend_sync import Wheels, sync_backend
 from ep_image.build_steps.bytecode import (
     compile_bytecode,
     compile_new_sources,
@@ -82,6 +82,7 @@ class Options:
     variant: str | None = None
     dedup: bool = False
     mode: Mode = Mode.VENV
+    wheels: Wheels = field(default_factory=Wheels)
 
 
 # --------------------------------------------------------------------------- build modes
@@ -138,7 +139,10 @@ def _build_one(uv: str, name: str, opts: Options, skeleton: bool) -> Path:
     temp = new_temp_dir(opts.prefix, name)
     try:
         lock_sync.create_venv(uv, temp, opts.python, opts.project)
-        nvshmem_build = sync_backend(uv, temp, backend, opts.project, skip, te=bool(opts.te_wheels))
+        nvshmem_build = sync_backend(
+            uv, temp, backend, opts.project, skip, te=bool(opts.te_wheels),
+            wheels=Wheels() if skeleton else opts.wheels,
+        )  # fmt: skip
         shutil.rmtree(temp / source_build.SCRATCH, ignore_errors=True)
         install_te(uv, temp, opts.te_wheels)
         lock_sync.install_package(uv, temp)
@@ -187,7 +191,7 @@ def _complete_one(uv: str, name: str, opts: Options) -> Path:
     before = python_sources(venv) if opts.compile_bytecode else {}
     nvshmem_build = sync_backend(
         uv, venv, backend, opts.project, opts.no_install_packages,
-        te=bool(skeleton.get("te_wheels")), inexact=True,
+        te=bool(skeleton.get("te_wheels")), inexact=True, wheels=opts.wheels,
     )  # fmt: skip
     shutil.rmtree(venv / source_build.SCRATCH, ignore_errors=True)
     if opts.compile_bytecode:
@@ -386,6 +390,26 @@ def build_parser() -> cli.Parser:
         ),
     )
     parser.add_argument(
+        "--prebuilt-wheels",
+        type=Path,
+        metavar="DIR",
+        help=(
+            "take a source-built backend's wheel from DIR instead of compiling it, when the "
+            "record beside it (<backend>-wheel.json) matches this build: pinned commit, locked "
+            "torch/NVSHMEM/NCCL, arch list, CUDA home, nvcc, declared build variables, Python; "
+            "else compile, saying which field differs (the image's PREBUILT_WHEELS)"
+        ),
+    )
+    parser.add_argument(
+        "--export-wheels",
+        type=Path,
+        metavar="DIR",
+        help=(
+            "after compiling a source-built backend, copy the wheel uv built into DIR with its "
+            "record, for --prebuilt-wheels later (a CI cache, another machine)"
+        ),
+    )
+    parser.add_argument(
         "--keep-going",
         action="store_true",
         help="with several backends, build the others when one fails (exit 1 at the end)",
@@ -425,6 +449,10 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         variant=args.variant,
         dedup=args.dedup,
         mode=mode,
+        wheels=Wheels(
+            args.prebuilt_wheels.resolve() if args.prebuilt_wheels else None,
+            args.export_wheels.resolve() if args.export_wheels else None,
+        ),
     )
 
 

@@ -14,10 +14,11 @@ from ep_image.build_steps.uv_run import BuildError
 
 def prepare_source_build(
     uv: str, venv: Path, backend: ep_backends.Backend, project: Path, env: dict[str, str]
-) -> dict[str, str]:
+) -> tuple[dict[str, str], dict[str, str | None]]:
     """Before a backend is compiled: what it will miss (with the fix), the NVML stub its
     multi-node build links, and uv's cache keyed on the build's environment inputs
-    (ep_image/source_build.py). Returns the variables to add to the build's environment."""
+    (ep_image/source_build.py). Returns the variables to add to the build's environment, and
+    the build key (what a prebuilt wheel's record must match)."""
     variables = (
         source_build.declared_variables(ep_backends.read_pyproject(project), backend.distribution)
         if ep_backends.spec(backend.name).reads_build_variables
@@ -44,4 +45,4 @@ def prepare_source_build(
         + f"{', make -j bounded to ' + extra['EP_MAKE_JOBS'] if 'EP_MAKE_JOBS' in extra else ''}",
         flush=True,
     )
-    return extra
+    return extra, key
