@@ -239,7 +239,12 @@ class CacheError(RuntimeError):
 
 
 def refresh_cache(
-    uv: str, distribution: str, key: dict[str, str | None], env: dict[str, str], extra: str = ""
+    uv: str,
+    distribution: str,
+    key: dict[str, str | None],
+    env: dict[str, str],
+    extra: str = "",
+    drop_unkeyed: bool = False,
 ) -> str:
     """Drop ``distribution``'s cached builds if ``key`` differs from the last build of ``extra``.
 
@@ -248,6 +253,7 @@ def refresh_cache(
     image build's cache mount, a host's ~/.cache/uv), one per extra: DeepEP v1, HybridEP and
     DeepEP v2's variant are all ``deep-ep`` (other commits, other inputs), and one record for
     all would see a change at every switch and rebuild each of them every time.
+    ``drop_unkeyed``: also drop the cached builds when there is no key yet (state "first").
     """
     cache = uv_cache_dir(uv, env)
     record = cache / f"{KEY_PREFIX}{distribution}{f'-{extra}' if extra else ''}.json"
@@ -259,7 +265,9 @@ def refresh_cache(
         except (OSError, ValueError):
             previous = "unreadable"
     state = "first" if previous is None else ("unchanged" if previous == digest else "changed")
-    if state == "changed":
+    # A build about to be exported must be one of this key: a cached build with no key (a plain
+    # `uv sync`'s) may come from other inputs.
+    if state == "changed" or (state == "first" and drop_unkeyed):
         # uv waits for every other uv process on this cache (a `uv run` this runs under never
         # ends first): give up after a minute instead of uv's default five.
         clean = subprocess.run(

@@ -62,7 +62,8 @@ def sync_backend(
     wheels = wheels or Wheels()
     choice, wanted = prebuilt.Choice(None, None, ()), {}
     if compiled:
-        extra, key = prepare_source_build(uv, venv, backend, project, env)
+        exporting = wheels.export_to is not None
+        extra, key = prepare_source_build(uv, venv, backend, project, env, exporting)
         env.update(extra)
         wanted = backend_wheels.expected(backend, project, key)
         choice = backend_wheels.choose(wheels.take_from, backend, wanted)

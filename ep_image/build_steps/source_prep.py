@@ -13,12 +13,18 @@ from ep_image.build_steps.uv_run import BuildError
 
 
 def prepare_source_build(
-    uv: str, venv: Path, backend: ep_backends.Backend, project: Path, env: dict[str, str]
+    uv: str,
+    venv: Path,
+    backend: ep_backends.Backend,
+    project: Path,
+    env: dict[str, str],
+    exporting: bool = False,
 ) -> tuple[dict[str, str], dict[str, str | None]]:
     """Before a backend is compiled: what it will miss (with the fix), the NVML stub its
     multi-node build links, and uv's cache keyed on the build's environment inputs
     (ep_image/source_build.py). Returns the variables to add to the build's environment, and
-    the build key (what a prebuilt wheel's record must match)."""
+    the build key (what a prebuilt wheel's record must match). ``exporting``: the wheel will be
+    exported under this key, so a cached build made without one is compiled again."""
     variables = (
         source_build.declared_variables(ep_backends.read_pyproject(project), backend.distribution)
         if ep_backends.spec(backend.name).reads_build_variables
@@ -35,7 +41,9 @@ def prepare_source_build(
         extra.update(source_build.bounded_make(env, venv / source_build.SCRATCH))
     key = source_build.build_key({**env, **extra}, variables)
     try:
-        state = source_build.refresh_cache(uv, backend.distribution, key, env, backend.extra)
+        state = source_build.refresh_cache(
+            uv, backend.distribution, key, env, backend.extra, drop_unkeyed=exporting
+        )
     except source_build.CacheError as exc:
         raise BuildError(f"{backend.name}: {exc}") from None
     print(
