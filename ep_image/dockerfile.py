@@ -37,18 +37,33 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
     """
     about = f"{spec.title}: {spec.build_hint}."
     args = ["VENV_SKIP_PACKAGES"]
-    if spec.builds_from_source:
-        args += ["TORCH_CUDA_ARCH_LIST", "MAX_JOBS"]
-    return [
+    lines = [
         *textwrap.wrap(about, 98, initial_indent="# ", subsequent_indent="# "),
         f"FROM venvs-common AS ep-{spec.name}",
-        f"ARG {' '.join(args)}",
-        f"RUN {_CACHE} \\",
-        f"    {_SECRETS} \\",
+    ]
+    mounts = [_CACHE, _SECRETS]
+    prebuilt = ""
+    if spec.builds_from_source:
+        # A prebuilt wheel's record (the README is always there) keys the RUN; the wheels
+        # come through a bind mount, outside every layer.
+        args += ["TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "PREBUILT_WHEELS"]
+        record = f"${{PREBUILT_WHEELS}}/{spec.name}-wheel.json*"
+        lines += [
+            f"ARG {' '.join(args)}",
+            f"COPY docker/prebuilt-wheels/README.md {record} /opt/ep-image/prebuilt/",
+        ]
+        mounts.append("--mount=type=bind,source=${PREBUILT_WHEELS},target=/opt/prebuilt-wheels")
+        prebuilt = " --prebuilt-wheels /opt/prebuilt-wheels"
+    else:
+        lines.append(f"ARG {' '.join(args)}")
+    return [
+        *lines,
+        f"RUN {mounts[0]} \\",
+        *[f"    {mount} \\" for mount in mounts[1:]],
         "    PYTHONPATH=/opt/ep-image /opt/ep-image/docker/with-secrets \\",
         "    python3 -m ep_image.build_steps.make_venv \\",
         f"    --complete --backend {spec.name} --prefix /opt/venvs --project /opt/ep-image \\",
-        '    --no-install-packages "${VENV_SKIP_PACKAGES}"',
+        f'    --no-install-packages "${{VENV_SKIP_PACKAGES}}"{prebuilt}',
     ]
 
 

@@ -10,6 +10,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
 
-from ep_image.build_steps.dedup import main  # noqa: E402
+from ep_image.build_steps.dedup import main
 
 sys.exit(main())
