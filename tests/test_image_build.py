@@ -485,6 +485,27 @@ def test_multi_backend_assembly_is_each_stage_venv_and_only_its_files(
 
 
 @pytest.mark.slow
+def test_the_probe_files_run_from_the_images_workdir(buildah: Buildah, multi_build: Built) -> None:
+    """The design card's `docker run IMAGE probes/check_ep.py`: through the image's entrypoint,
+    relative to its WORKDIR, with the active venv's python (the CPU profile's torch lacks its
+    CUDA libraries, so here the probe shows its help and check_env runs whole)."""
+    entry = "/opt/ep-image/docker/ep-entrypoint"
+    script = (
+        f'echo "PWD $(pwd)"; {entry} probes/check_ep.py --help > /tmp/help.txt; '
+        'echo "HELP-RC $?"; head -1 /tmp/help.txt; '
+        f"{entry} probes/check_env.py --json /tmp/env.json > /dev/null; "
+        'echo "ENV-RC $?"; '
+        'python -c \'import json; print("ENV-PY", json.load(open("/tmp/env.json"))'
+        '["environment"]["python"])\''
+    )
+    out = buildah.run_in(multi_build.image, script)
+    assert "PWD /opt/ep-image" in out
+    assert "HELP-RC 0" in out and "usage: check_ep" in out, out
+    assert "ENV-RC 0" in out, out
+    assert "ENV-PY /opt/venvs/active/bin/python" in out, out
+
+
+@pytest.mark.slow
 def test_switching_backend_in_a_multi_backend_image(buildah: Buildah, multi_build: Built) -> None:
     script = (
         'EP_BACKEND=deepep_v1 /opt/ep-image/docker/ep-entrypoint sh -c '
