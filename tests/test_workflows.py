@@ -58,7 +58,7 @@ EXPECTED_WORKFLOWS = ("ci.yml", "image.yml", "image-build.yml", "gpu-probes.yml"
 
 #: Top-level directories (and files) of this repository that run steps may refer to.
 _REPO_PATH = re.compile(
-    r"(?<![\w./$-])((?:\.ci|\.github|docker|ep_image|scripts|tests)/[\w./*-]*[\w*])"
+    r"(?<![\w./$-])((?:\.ci|\.github|docker|ep_image|probes|scripts|tests)/[\w./*-]*[\w*])"
 )
 #: A `uses:` line: the reference, then an optional `# comment`.
 _USES_LINE = re.compile(r"^\s*(?:-\s+)?uses:\s*['\"]?([^\s'\"#]+)['\"]?\s*(?:#\s*(\S+))?")
@@ -284,7 +284,8 @@ def test_the_path_scan_sees_the_commands_that_matter() -> None:
     for must in (
         ".ci/run",
         "docker/Dockerfile",
-        "ep_image/probes/check_ep.py",
+        "probes/check_ep.py",
+        "probes/check_te.py",
         module_path("ep_image.backends"),
         "docker/ep-entrypoint",
         ".github/scripts/in-image.sh",
@@ -526,18 +527,21 @@ def test_ci_and_ci_run_install_the_same_uv() -> None:
     assert setups and all(s["with"]["version"] == "${{ env.UV_VERSION }}" for s in setups)
 
 
-def test_commands_run_in_the_image_are_the_projects_entry_points() -> None:
-    """`in-image.sh CMD`: CMD is a [project.scripts] entry point, found on the active venv's
-    PATH because make_venv installs the project into every venv (or a launcher)."""
+def test_commands_run_in_the_image_are_the_images_probe_files() -> None:
+    """`in-image.sh CMD`: CMD is one of the image's probes/ files (the design card's
+    `probes/check_ep.py`, run from the image's WORKDIR with the active venv's python), a
+    [project.scripts] entry point or a launcher."""
     with (ROOT / "pyproject.toml").open("rb") as fh:
         entry_points = set(tomllib.load(fh)["project"]["scripts"])
     launchers = {"torchrun", "python", "python3", "bash", "sh"}
+    probe_files = {f"probes/{p.name}" for p in (ROOT / "probes").glob("*.py")}
     seen = set()
     for wf_path in WORKFLOWS:
         for _job, step in steps(load_workflow(wf_path)):
             run = step.get("run")
             if isinstance(run, str):
-                seen.update(re.findall(r"in-image\.sh\s+(?:\\\n\s*)?([\w-]+)", run))
+                seen.update(re.findall(r"in-image\.sh\s+(?:\\\n\s*)?([\w./-]+)", run))
     assert seen, "no in-image.sh command found (or the scan broke)"
-    assert seen <= entry_points | launchers, seen - entry_points - launchers
-    assert {"check-env", "check-te", "check-fabric", "check-ep"} <= seen
+    assert seen <= entry_points | launchers | probe_files, seen - entry_points - launchers
+    wanted = {"probes/check_env.py", "probes/check_te.py", "probes/check_fabric.py"}
+    assert wanted | {"probes/check_ep.py"} <= seen

@@ -5,7 +5,8 @@
 # keeping the flags in one place means the probes cannot run under different conditions.
 # Usage (from the repository root of a checkout of the image's commit):
 #   IMAGE=ghcr.io/o/r:all-<sha> BACKEND=hybridep bash .github/scripts/in-image.sh CMD [ARG ...]
-# The checkout is mounted read-only at /src (the working directory), ./reports at /out.
+# The command runs from the image's WORKDIR (/opt/ep-image), so `probes/check_ep.py` is the
+# image's own, as a user types it; ./reports is mounted at /out for the JSON reports.
 #
 # NVLink multicast (NVLS) is off unless ALLOW_NVLS=true: a program that uses it on a host
 # whose GPUs are shared can take them out of service. The probes test correctness, not peak
@@ -20,7 +21,7 @@ mkdir -p reports
 flags=(
   --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864
   -e PYTHONDONTWRITEBYTECODE=1
-  -v "$PWD:/src:ro" -v "$PWD/reports:/out" -w /src
+  -v "$PWD/reports:/out"
 )
 if [ "${ALLOW_NVLS:-false}" != true ]; then
   flags+=(-e NCCL_NVLS_ENABLE=0 -e NVSHMEM_DISABLE_NVLS=1 -e TORCH_SYMM_MEM_DISABLE_MULTICAST=1)
