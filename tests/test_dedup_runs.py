@@ -94,6 +94,86 @@ def venvs(tmp_path: Path) -> tuple[Path, Path]:
 # --------------------------------------------------------------------------- --read-only killed
 
 
+def plant_journal(root: Path, entries: list[list[object]], mode: int = 0o600) -> Path:
+    """A journal as dedup writes it, but with ``entries`` chosen by whoever can write ROOT."""
+    journal = root / JOURNAL
+    journal.write_text(json.dumps({"modes": entries}))
+    journal.chmod(mode)
+    return journal
+
+
+def victim(tmp_path: Path) -> tuple[Path, list[object]]:
+    """A read-only file outside the ROOTs, and a journal entry naming it through ``..``."""
+    target = tmp_path / "outside" / "V"
+    target.parent.mkdir()
+    target.write_text("not yours\n")
+    target.chmod(0o440)
+    st = target.stat()
+    return target, [f"../outside/{target.name}", st.st_dev, st.st_ino, 0o662]
+
+
+def test_a_journal_entry_pointing_out_of_its_root_is_refused(venvs, tmp_path: Path) -> None:
+    """The attack: whoever can write a ROOT plants an entry ``["../V", dev, ino, 0o662]``; a
+    dedup run (as root, say) must not give "back" write bits to a file outside the ROOTs."""
+    a, b = venvs
+    target, entry = victim(tmp_path)
+    entry[0] = os.path.relpath(target, a)
+    plant_journal(a, [entry])
+    proc = run_dedup(a, b)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o440
+    assert "entries name no file dedup could have recorded" in proc.stderr, proc.stderr
+    assert proc.returncode == 1
+    assert not (a / JOURNAL).exists()  # handled: the next run has nothing to read
+
+
+def test_a_journal_entry_through_a_symbolic_link_is_refused(venvs, tmp_path: Path) -> None:
+    a, b = venvs
+    target, entry = victim(tmp_path)
+    (a / "escape").symlink_to(target.parent)
+    entry[0] = f"escape/{target.name}"
+    plant_journal(a, [entry])
+    proc = run_dedup(a, b)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o440, proc.stderr
+    assert "entries name no file dedup could have recorded" in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the journal to another user needs root")
+@pytest.mark.parametrize("how", ["another user's", "writable by others"])
+def test_a_journal_someone_else_could_have_written_is_not_acted_on(
+    venvs, tmp_path: Path, how: str
+) -> None:
+    """Even an entry inside the ROOT: a journal dedup did not write (another owner, or one
+    anyone could have rewritten) changes no mode."""
+    a, b = venvs
+    inside = a / "own_a.so"
+    inside.chmod(0o444)
+    st = inside.stat()
+    journal = plant_journal(
+        a,
+        [["own_a.so", st.st_dev, st.st_ino, 0o666]],
+        0o666 if how == "writable by others" else 0o600,
+    )
+    if how == "another user's":
+        os.chown(journal, NOBODY, NOBODY)
+    proc = run_dedup(a, b)
+    assert stat.S_IMODE(inside.stat().st_mode) == 0o444
+    assert "refused" in proc.stderr and "may have been planted" in proc.stderr, proc.stderr
+    assert proc.returncode == 1
+
+
+def test_the_journal_dedup_writes_is_owner_only(venvs, tmp_path: Path) -> None:
+    """What makes its own journal trusted: written 0600, by this user (seen mid-run)."""
+    a, b = venvs
+    marker = tmp_path / "seen"
+    env = wrapped_hardlink(tmp_path / "wrap", before=f"stat -c '%a %u' {a / JOURNAL} > {marker}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_image.build_steps.dedup", "--read-only", str(a), str(b)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text().split() == ["600", str(os.geteuid())]
+
+
 def test_read_only_killed_after_clearing_write_bits_is_undone_by_the_next_run(
     venvs, tmp_path: Path
 ) -> None:

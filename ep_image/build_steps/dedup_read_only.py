@@ -88,7 +88,11 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
         journal = root / MODES_JOURNAL
         temp = root / (MODES_JOURNAL + ".tmp")
         try:
-            with open(temp, "w", encoding="utf-8") as handle:
+            temp.unlink(missing_ok=True)
+            # Owner-only and new (O_EXCL): a journal is trusted only when nobody else could
+            # have written it (restore_journals).
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with open(fd, "w", encoding="utf-8") as handle:
                 json.dump(record, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -103,17 +107,64 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
             ) from None
 
 
+def _untrusted(journal: Path) -> str | None:
+    """Why a journal may not be acted on, or None: it must be a regular file of the user
+    running dedup that nobody else can write (dedup writes it so), since giving back write
+    bits as it says, run as root, would otherwise let anyone who can write a ROOT make any
+    file on the system writable."""
+    st = os.lstat(journal)
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"others can write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _entry_path(root: Path, relative: object, dev: object) -> str | None:
+    """The path a journal entry names, if it is one dedup could have written: relative, in
+    normal form, inside ``root`` through no symbolic link, on ``root``'s file system."""
+    if not isinstance(relative, str) or not isinstance(dev, int):
+        return None
+    parts = Path(relative).parts
+    if (
+        not parts
+        or os.path.isabs(relative)
+        or ".." in parts
+        or os.path.normpath(relative) != relative
+    ):
+        return None
+    parent = os.path.join(root, *parts[:-1])
+    real_root = os.path.realpath(root)
+    if os.path.realpath(parent) != os.path.join(real_root, *parts[:-1]).rstrip("/"):
+        return None  # a symbolic link on the way: it may lead out of the ROOT
+    if os.lstat(root).st_dev != dev:
+        return None
+    return os.path.join(root, relative)
+
+
 def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) -> None:
     """Give back the modes a killed --read-only run cleared (its journals), then drop them.
 
-    A mode is given back only where the file is still the inode the journal names and still
-    has the mode the run left (its write bits cleared, nothing else changed since).
+    A journal is acted on only when this user wrote it and nobody else can (``_untrusted``),
+    and a mode is given back only where its entry names a file under that ROOT (no ``..``, no
+    symbolic link on the way) that is still the inode the journal names and still has the mode
+    the run left (its write bits cleared, nothing else changed since).
     """
     for root in roots:
         journal = root / MODES_JOURNAL
         if not dry_run:  # a run killed while writing its journal had cleared nothing yet
             (root / (MODES_JOURNAL + ".tmp")).unlink(missing_ok=True)
         try:
+            why = _untrusted(journal)
+            if why is not None:
+                report.failures.append(
+                    f"{journal}: refused, {why}: dedup writes its journal owner-only, so this "
+                    "one may have been planted; nothing it lists was changed. Fix: remove it if "
+                    "you did not write it, or run dedup as its owner"
+                )
+                continue
             modes = json.loads(journal.read_text(encoding="utf-8"))["modes"]
         except FileNotFoundError:
             continue
@@ -123,16 +174,26 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
                 "files it lists may stay read-only: check their modes, then remove it"
             )
             continue
-        for relative, dev, ino, mode in modes:
-            path = os.path.join(root, relative)
+        refused = 0
+        for entry in modes:
             try:
+                relative, dev, ino, mode = entry
+                path = _entry_path(root, relative, dev)
+                if path is None or not isinstance(mode, int) or mode & ~0o7777:
+                    refused += 1
+                    continue
                 st = os.lstat(path)
-            except OSError:
+            except (OSError, TypeError, ValueError):
                 continue
             same = (st.st_dev, st.st_ino) == (dev, ino) and stat.S_ISREG(st.st_mode)
             as_left = stat.S_IMODE(st.st_mode) == mode & ~WRITE_BITS != mode
             if same and as_left and (dry_run or _chmod(path, mode, report)):
                 report.modes_restored += 1
+        if refused:
+            report.failures.append(
+                f"{journal}: {refused} entries name no file dedup could have recorded (outside "
+                "the ROOT, through a symbolic link, or on another file system): left alone"
+            )
         if not dry_run:
             journal.unlink(missing_ok=True)
 
