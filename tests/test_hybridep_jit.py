@@ -225,7 +225,9 @@ def test_two_ranks_publish_and_a_third_starts_warm(
         kernels[K_COMBINE].read_bytes(),
         kernels["combine-b"].read_bytes(),
     )
-    assert [p.name for p in key_dir.iterdir() if p.suffix != ".so"] == [cache_key.KEY_RECORD]
+    kernel_names = {p.name for p in key_dir.iterdir() if p.suffix == ".so"}
+    others = {p.name for p in key_dir.iterdir() if p.suffix != ".so"}
+    assert others == {cache_key.KEY_RECORD} | {n + kernel_files.PUBLISHED for n in kernel_names}
 
     third = install.run()
     assert third["loaded"] == sorted(f"{k}.so" for k in (K_PRE, K_DISPATCH, K_COMBINE))
@@ -349,6 +351,69 @@ def test_valid_kernel_on_a_real_shared_object(tmp_path: Path):
         part = tmp_path / f"cut{cut}.so"
         part.write_bytes(data[:cut])
         assert not kernel_files.valid_kernel(part), cut
+
+
+# ---- kernels the cache did not publish -----------------------------------------------------
+
+
+def test_a_planted_kernel_is_never_loaded(install: Install, kernels: dict[str, Path]):
+    """Any valid ELF .so dropped under the key directory without this cache's record of its
+    sha256 stays out of the process's jit directory (HybridEP would dlopen it), and so does
+    one whose bytes were swapped after it was published."""
+    install.run(compile={K_PRE: kernels[K_PRE]})
+    key_dir = install.key_dir()
+    planted = key_dir / f"{K_DISPATCH}.so"
+    planted.write_bytes(kernels[K_DISPATCH].read_bytes())
+    swapped = key_dir / f"{K_PRE}.so"
+    swapped.unlink()
+    swapped.write_bytes(kernels[K_COMBINE].read_bytes())  # a valid kernel, not the published one
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = install.prepare()
+    try:
+        assert so_files(cache.jit_dir) == {}, "a kernel it did not publish was placed"
+        assert cache.facts()["jit_cache_ignored_unpublished"] == 1
+        assert any("not published by this cache" in str(w.message) for w in caught)
+        assert not swapped.exists(), "a published kernel whose bytes changed is dropped"
+    finally:
+        cache.close(publish=False)
+
+
+@pytest.mark.parametrize("where", ["cache", "key directory"])
+def test_a_cache_others_can_write_is_refused(
+    install: Install, kernels: dict[str, Path], where: str
+):
+    """A cache directory (or key directory) anyone can write: whoever can write there could
+    plant kernels and their records, so the cache is off with the fix named, and HybridEP
+    compiles in this process as without a cache."""
+    install.run(compile={K_PRE: kernels[K_PRE]})
+    target = install.cache if where == "cache" else install.key_dir()
+    target.chmod(0o777)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = install.prepare()
+        try:
+            assert cache.state == "off" and cache.load_cached_kernels is False
+            assert so_files(cache.jit_dir) == {}
+            assert "others can write" in cache.reason and "chmod go-w" in cache.reason
+            assert len([w for w in caught if "HybridEP JIT cache" in str(w.message)]) == 1
+        finally:
+            cache.close(publish=False)
+    finally:
+        target.chmod(0o755)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the cache to another user needs root")
+def test_a_cache_another_user_owns_is_refused(install: Install, kernels: dict[str, Path]):
+    install.run(compile={K_PRE: kernels[K_PRE]})
+    os.chown(install.key_dir(), 65534, 65534)
+    cache = install.prepare()
+    try:
+        assert cache.state == "off" and "belongs to uid 65534" in cache.reason
+        assert so_files(cache.jit_dir) == {}
+    finally:
+        cache.close(publish=False)
 
 
 # ---- caches it cannot use --------------------------------------------------------------------

@@ -31,9 +31,14 @@ from ep_image.backends.hybridep.cache_key import (
     find_package,
 )
 from ep_image.backends.hybridep.kernel_files import (
+    TMP_MAX_AGE_S,
     clean_temps,
     kernels,
+    mark_published,
     place,
+    published_sha,
+    sha256,
+    untrusted,
     valid_kernel,
     write_record,
 )
@@ -97,6 +102,7 @@ class JitCache:
     counted: bool = False
     users: int = 1
     closed: bool = False
+    ignored: int = 0
 
     @property
     def state(self) -> str:
@@ -114,13 +120,18 @@ class JitCache:
         cached = list(kernels(self.key_dir))
         if not self.counted:
             self.files_before, self.counted = len(cached), True
+        foreign = 0
         for entry in cached:
             if entry.name in have:
                 continue
             src = Path(entry.path)
-            if not valid_kernel(src):
-                # Every name in the cache was published whole: this one is damaged. Drop it so
-                # the next publisher can replace it.
+            recorded = published_sha(self.key_dir, entry.name)
+            if recorded is None or untrusted(src) is not None:
+                foreign += 1  # not published by this cache: never loaded
+                continue
+            if not valid_kernel(src) or sha256(src) != recorded:
+                # Published whole, and now not what was published: damaged. Drop it so the
+                # next publisher can replace it.
                 with contextlib.suppress(OSError):
                     os.unlink(src)
                 _warn(f"removed a damaged kernel from the cache: {src}")
@@ -134,6 +145,12 @@ class JitCache:
                 if place(src, self.jit_dir, entry.name, durable=False):
                     placed.append(entry.name)
         self.warm_started.extend(placed)
+        self.ignored = foreign
+        if foreign:
+            _warn(
+                f"{foreign} kernel(s) in {self.key_dir} were not published by this cache (no "
+                "record of their sha256, or not this user's or root's): not loaded"
+            )
         return placed
 
     def publish(self) -> list[str]:
@@ -148,11 +165,16 @@ class JitCache:
         new: list[str] = []
         try:
             with _lock:
-                cached = {e.name for e in kernels(self.key_dir)}
+                cached = {
+                    e.name for e in kernels(self.key_dir) if published_sha(self.key_dir, e.name)
+                }
                 for entry in kernels(self.jit_dir):
                     if entry.name in cached or not valid_kernel(Path(entry.path)):
                         continue
-                    if place(Path(entry.path), self.key_dir, entry.name, durable=True):
+                    src = Path(entry.path)
+                    if self._unrecorded(entry.name, src):
+                        continue
+                    if place(src, self.key_dir, entry.name, durable=True, record=True):
                         new.append(entry.name)
                 with contextlib.suppress(OSError):
                     dir_fd = os.open(self.key_dir, os.O_RDONLY)
@@ -165,6 +187,26 @@ class JitCache:
         self.published.extend(new)
         self.seconds["publish"] = round(self.seconds["publish"] + time.monotonic() - started, 6)
         return new
+
+    def _unrecorded(self, name: str, src: Path) -> bool:
+        """A kernel of this name is in the cache without its record: another rank is between
+        placing it and recording it (True: leave it to that rank), or one left it there long
+        ago (before records, or killed in between): then it is recorded here when its bytes
+        are this process's, else removed so that this process places its own (False)."""
+        assert self.key_dir is not None
+        there = self.key_dir / name
+        try:
+            age = time.time() - os.lstat(there).st_mtime
+        except FileNotFoundError:
+            return False
+        if age < TMP_MAX_AGE_S:
+            return True
+        if valid_kernel(there) and sha256(there) == sha256(src):
+            mark_published(self.key_dir, name, sha256(there))
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(there)
+        return False
 
     def close(self, publish: bool = True) -> None:
         """Publish (unless told not to) and remove this process's jit directory, once the
@@ -202,6 +244,7 @@ class JitCache:
             "load_cached_kernels": self.load_cached_kernels,
             "jit_cache_files_before": self.files_before,
             "jit_cache_warm_started": len(self.warm_started),
+            "jit_cache_ignored_unpublished": self.ignored,
             "jit_cache_published": sorted(self.published),
             "jit_cache_stale_removed": len(self.stale_removed),
             "jit_cache_seconds": dict(self.seconds),
@@ -253,6 +296,23 @@ def prepare(
     return cache
 
 
+_TRUST_FIX = (
+    f"Fix: chown/chmod go-w it, or set {CACHE_ENV} to a directory only you (or root) can write"
+)
+
+
+def _refuse_foreign(root: Path) -> None:
+    """CacheOff when the cache directory, or the one holding it, lets another user plant or
+    swap kernels (a sticky directory such as /tmp may hold it: nobody else can rename it)."""
+    for path, follow in ((root.parent, True), (root, True)):
+        if not path.exists():
+            continue
+        why = untrusted(path, follow=follow)
+        sticky_parent = path == root.parent and os.stat(path).st_mode & 0o1000
+        if why is not None and not (sticky_parent and "others can write" in why):
+            raise CacheOff(f"{why}: its kernels could be anyone's. {_TRUST_FIX}")
+
+
 def _prepare(
     cache: JitCache,
     env: Mapping[str, str],
@@ -282,8 +342,11 @@ def _prepare(
         package, extension, Path(cuda_home) / "bin" / "nvcc", label, env
     )
     key_dir = Path(cache.cache_dir) / cache.key
+    _refuse_foreign(Path(cache.cache_dir))
     try:
         key_dir.mkdir(parents=True, exist_ok=True)
+        if (why := untrusted(key_dir)) is not None:
+            raise CacheOff(f"{why}: its kernels could be anyone's. {_TRUST_FIX}")
         if not os.access(key_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "not writable")
         write_record(key_dir, KEY_RECORD, {**cache.key_material, "extension": str(extension)})

@@ -9,10 +9,12 @@ copy through a temporary name (never ending in ``.so``) and a link or rename.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import secrets
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +64,54 @@ def valid_kernel(path: Path) -> bool:
     return True
 
 
+#: Beside each kernel this cache published: its sha256, written by the publisher after the
+#: kernel is in place. A kernel without one (or whose bytes do not match it) is not loaded.
+PUBLISHED = ".published"
+
+
+def untrusted(path: Path, *, follow: bool = False) -> str | None:
+    """Why ``path`` may hold code that is not this user's or root's, or None: it must be owned
+    by this user or by root and be writable by nobody else (kernels are loaded into the job)."""
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to uid {st.st_uid}, neither this user nor root"
+    if st.st_mode & 0o022:
+        return f"others can write {path} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def sha256(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def published_sha(directory: Path, name: str) -> str | None:
+    """The sha256 this cache published ``name`` with, if its record is there and trusted."""
+    record = directory / f"{name}{PUBLISHED}"
+    try:
+        if untrusted(record) is not None:
+            return None
+        value = json.loads(record.read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def mark_published(directory: Path, name: str, digest: str) -> None:
+    """``name``'s record (its sha256), in place whole: a temporary file, then a rename."""
+    tmp = directory / _temp_name(f"{name}{PUBLISHED}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({"sha256": digest, "publisher_uid": os.geteuid()}) + "\n")
+        os.rename(tmp, directory / f"{name}{PUBLISHED}")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def kernels(directory: Path) -> Iterator[os.DirEntry[str]]:
     """The finished kernels in ``directory`` (regular files with a kernel's name)."""
     for entry in os.scandir(directory):
@@ -83,10 +133,11 @@ def _temp_name(name: str) -> str:
     return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
-def place(src: Path, directory: Path, name: str, *, durable: bool) -> bool:
+def place(src: Path, directory: Path, name: str, *, durable: bool, record: bool = False) -> bool:
     """Put a copy of ``src`` at ``directory/name`` so that nobody ever sees it half written:
-    a temporary file in the same directory, checked, then linked (or renamed) into place.
-    False when ``name`` was there already (another rank won) or the copy was not complete."""
+    a temporary file in the same directory, checked, then linked (or renamed) into place;
+    ``record``: then its published record (its sha256). False when ``name`` was there already
+    (another rank won) or the copy was not complete."""
     tmp = directory / _temp_name(name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -98,6 +149,7 @@ def place(src: Path, directory: Path, name: str, *, durable: bool) -> bool:
             os.close(fd)
         if not valid_kernel(tmp):
             return False
+        digest = sha256(tmp) if record else ""
         try:
             os.link(tmp, directory / name)
         except FileExistsError:
@@ -105,6 +157,8 @@ def place(src: Path, directory: Path, name: str, *, durable: bool) -> bool:
         except OSError:
             # A filesystem without hard links: rename replaces atomically; both are whole.
             os.rename(tmp, directory / name)
+        if record:
+            mark_published(directory, name, digest)
         return True
     finally:
         with contextlib.suppress(FileNotFoundError):
