@@ -9,6 +9,7 @@ turns what goes wrong into those lines. Standard library only.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -94,3 +95,15 @@ def run(
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def os_error_fix(exc: OSError, where: object, otherwise: str) -> str:
+    """The fix for a system error that stopped a step, by its cause: a full disk, a read-only
+    file system or a permission, else ``otherwise`` (the step's own advice)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk holding {where} is full: free space there (df -h {where}), then run again"
+    if exc.errno == errno.EROFS:
+        return f"{where} is on a read-only file system: use a writable place"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"this user may not write {where}: run as its owner, or use a place you own"
+    return otherwise

@@ -99,6 +99,40 @@ def test_special_files_and_a_missing_source_are_refused(tmp_path: Path) -> None:
         tree_sync.sync_tree(tmp_path / "src", tmp_path / "dst")
 
 
+def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ep_image.build_steps.tree_sync", *map(str, args)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "said"),
+    [
+        ("big/s", "big", "is inside TARGET"),  # before: emptied big/, its source included
+        (
+            "big",
+            "big/s/deeper",
+            "is inside SOURCE",
+        ),  # before: copied into itself until ENAMETOOLONG
+        ("big", "big", "the same directory"),
+        ("big/s", "alias", "is inside TARGET"),  # the same through a symbolic link
+    ],
+)
+def test_nested_trees_are_refused_before_anything_is_written(
+    tmp_path: Path, source: str, target: str, said: str
+) -> None:
+    write(tmp_path / "big/s/keep.py", "keep\n")
+    write(tmp_path / "big/other.py", "other\n")
+    (tmp_path / "alias").symlink_to(tmp_path / "big")
+    before = _state(tmp_path / "big")
+    proc = _run(tmp_path / source, tmp_path / target)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert said in proc.stderr and "nothing was written" in proc.stderr
+    assert "fix:" in proc.stderr
+    assert _state(tmp_path / "big") == before
+
+
 def _state(root: Path) -> dict[str, tuple[int, int, int, bytes | str]]:
     """Every entry of ``root``: inode, mode, mtime and content (a symlink's target)."""
     found: dict[str, tuple[int, int, int, bytes | str]] = {}

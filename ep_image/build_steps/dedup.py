@@ -277,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise cli.FixableError(
                 f"cannot write the report to {args.json}: {exc}",
-                "the report is printed above; give --json a writable path",
+                "the report is printed above; "
+                + cli.os_error_fix(exc, args.json.parent, "give --json a writable path"),
             ) from None
     return 1 if report.failures else 0
 

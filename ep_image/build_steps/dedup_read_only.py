@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from ep_image import cli
 from ep_image.build_steps import dedup_tree
 from ep_image.build_steps.dedup_report import Report
 from ep_image.build_steps.dedup_tree import MODES_JOURNAL, WRITE_BITS, DedupError, Tree
@@ -102,8 +103,12 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
             raise DedupError(
                 f"cannot write {journal}, where --read-only records the modes it clears so "
                 f"that a killed run can be undone ({exc}). Nothing was changed.",
-                "run dedup as the owner of the trees (it needs to write into each ROOT), or "
-                "without --read-only",
+                cli.os_error_fix(
+                    exc,
+                    root,
+                    "run dedup as the owner of the trees (it needs to write into each ROOT), or "
+                    "without --read-only",
+                ),
             ) from None
 
 

@@ -479,6 +479,11 @@ def run(opts: Options) -> int:
     except BuildError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BUILD_FAILED
+    except OSError as exc:  # writing the venv, its record, the prefix itself
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        fix = cli.os_error_fix(exc, opts.prefix, "check the path above, then run again")
+        print(f"{PROG}: fix: {fix}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
     except KeyboardInterrupt:
         print(
             f"{PROG}: no half-built venv is left under {opts.prefix} (a venv being completed "

@@ -120,10 +120,33 @@ def check_source(source: Path) -> None:
         )
 
 
+def check_nesting(source: Path, target: Path) -> None:
+    """SyncError unless the two trees are apart: a TARGET that holds SOURCE would delete it
+    (everything in TARGET that SOURCE lacks goes), a TARGET inside SOURCE would be copied into
+    itself without end. Checked on the resolved paths, before anything is written."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    if src == dst:
+        raise SyncError(
+            f"{source} and {target} are the same directory; nothing was written\n"
+            "fix: give two trees"
+        )
+    if src.startswith(dst.rstrip("/") + "/"):
+        raise SyncError(
+            f"SOURCE {source} is inside TARGET {target}: making TARGET equal to SOURCE would "
+            "delete SOURCE; nothing was written\nfix: give a TARGET outside SOURCE's tree"
+        )
+    if dst.startswith(src.rstrip("/") + "/"):
+        raise SyncError(
+            f"TARGET {target} is inside SOURCE {source}: it would be copied into itself; "
+            "nothing was written\nfix: give a TARGET outside SOURCE"
+        )
+
+
 def sync_tree(source: Path, target: Path) -> SyncReport:
     """Make ``target`` equal to ``source`` (see the module docstring); returns what changed."""
     if not source.is_dir() or source.is_symlink():
         raise SyncError(f"{source} is not a directory\nfix: give an existing directory as SOURCE")
+    check_nesting(source, target)
     check_source(source)
     report = SyncReport()
     written: dict[tuple[int, int], str] = {}  # a source inode -> the target path written for it
@@ -242,9 +265,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except OSError as exc:
         print(f"tree_sync: failed: {exc}", file=sys.stderr)
+        fix = cli.os_error_fix(exc, args.target, "make TARGET writable by this user")
         print(
-            "tree_sync: fix: make TARGET writable by this user, then run it again (files are "
-            "replaced whole, but the target may be partly updated)",
+            f"tree_sync: fix: {fix}, then run it again (files are replaced whole, but the "
+            "target may be partly updated)",
             file=sys.stderr,
         )
         return 1

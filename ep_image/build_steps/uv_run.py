@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ep_image.backends import Backend
 
 _GIT_FAILURE_SIGNS = ("git operation failed", "failed to clone", "failed to fetch commit")
+_DISK_FULL_SIGNS = ("no space left on device", "os error 28", "disk quota exceeded")
 
 
 class BuildError(RuntimeError):
@@ -81,9 +82,21 @@ def git_fix_message(backend: Backend, uv_error: str) -> str:
     )
 
 
+def disk_full(uv_error: str) -> bool:
+    """Whether uv (or a build it ran) stopped on a full disk."""
+    lowered = uv_error.lower()
+    return any(sign in lowered for sign in _DISK_FULL_SIGNS)
+
+
 def sync_failure(backend: Backend, uv_error: str) -> BuildError:
-    """What a failed ``uv sync`` of ``backend`` means: a git clone that failed, or else uv's
-    own error, ended by its last lines."""
+    """What a failed ``uv sync`` of ``backend`` means: a full disk, a git clone that failed, or
+    else uv's own error, ended by its last lines."""
+    if disk_full(uv_error):
+        return BuildError(
+            f"{backend.name}: the disk filled up during uv sync. Fix: free space where the venvs "
+            "go and where uv keeps its cache (df -h <prefix> $(uv cache dir)), then run again. "
+            f"uv's error ends:\n{tail(uv_error)}"
+        )
     if backend.git and looks_like_git_failure(uv_error):
         return BuildError(git_fix_message(backend, uv_error))
     return BuildError(f"{backend.name}: uv sync failed (output above); it ends:\n{tail(uv_error)}")
