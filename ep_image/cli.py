@@ -98,12 +98,10 @@ def run(
 
 
 def os_error_fix(exc: OSError, where: object, otherwise: str) -> str:
-    """The fix for a system error that stopped a step, by its cause: a full disk, a read-only
-    file system or a permission, else ``otherwise`` (the step's own advice)."""
+    """The fix for a system error that stopped a step, by its cause: a full disk or a read-only
+    file system, else ``otherwise`` (the step's own advice, e.g. for a permission)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"the disk holding {where} is full: free space there (df -h {where}), then run again"
     if exc.errno == errno.EROFS:
         return f"{where} is on a read-only file system: use a writable place"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return f"this user may not write {where}: run as its owner, or use a place you own"
     return otherwise
