@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,18 +74,40 @@ def report_path(text: str) -> Path:
     return path
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a CI timeout, ``kill``, a closed terminal), raised where the process
+    is, so that its cleanup runs as for Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 def run(
     prog: str,
     parse: Callable[[Sequence[str] | None], Options],
     body: Callable[[Options], int],
     argv: Sequence[str] | None = None,
+    *,
+    terminate_cleanly: bool = False,
 ) -> int:
     """Parse ``argv`` with ``parse``, then run ``body``; what goes wrong becomes the lines
     ``PROG: error: ...`` and ``PROG: fix: ...`` on stderr and its exit code (usage 2,
-    interrupted 130, a fixable error its own, 1 by default)."""
+    interrupted 130, a fixable error its own, 1 by default). ``terminate_cleanly``: SIGTERM
+    and SIGHUP unwind like Ctrl-C (the build steps' cleanup runs), exit 128 + the signal."""
+    if terminate_cleanly:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _raise_terminated)
     try:
         options = parse(argv)
         return body(options)
+    except Terminated as exc:
+        print(f"{prog}: interrupted: terminated by signal {exc.signum}", file=sys.stderr)
+        return 128 + exc.signum
     except UsageError as exc:
         print(f"{prog}: usage error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -71,25 +71,70 @@ def test_a_prefix_this_user_cannot_write_is_named(request: pytest.FixtureRequest
     assert sorted(locked.iterdir()) == []
 
 
-@pytest.mark.slow
-def test_ctrl_c_leaves_nothing_half_built(tmp_path: Path) -> None:
-    """SIGINT to the whole process group while uv syncs the real lock into the temporary venv."""
-    prefix = tmp_path / "venvs"
+def blocking_uv(directory: Path, marker: Path) -> dict[str, str]:
+    """An environment whose `uv` is the real one except for `uv sync`, which marks that it
+    started and then waits: a signal sent after the mark always lands mid-sync, however fast
+    the machine (a warm cache builds the venv in seconds: a signal sent on a timer can miss)."""
+    from ep_image import tools
+
+    real = shutil.which("uv") or tools.find_uv()
+    directory.mkdir(parents=True, exist_ok=True)
+    shim = directory / "uv"
+    shim.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = sync ]; then touch {marker}; exec sleep 600; fi\n'
+        f'exec {real} "$@"\n'
+    )
+    shim.chmod(0o755)
+    return {**os.environ, "PATH": f"{directory}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_mid_build_leaves_nothing_half_built(
+    tmp_path: Path, signum: int, code: int
+) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM (a CI
+    timeout) while uv syncs into the temporary venv: no temporary venv, no lock file, no venv."""
+    prefix, marker = tmp_path / "venvs", tmp_path / "sync-started"
     proc = subprocess.Popen(
         [sys.executable, "-m", MAKE_VENV, "--backend", "deepep_v2", "--prefix", str(prefix)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=blocking_uv(tmp_path / "shim", marker),
     )  # fmt: skip
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not list(prefix.glob(".deepep_v2.tmp-*/lib")):
-        time.sleep(0.05)
-    assert list(prefix.glob(".deepep_v2.tmp-*")), "the build never started"
-    os.killpg(proc.pid, signal.SIGINT)
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "uv sync never started"
+        time.sleep(0.02)
+    assert list(prefix.glob(".deepep_v2.tmp-*")), "no temporary venv while syncing"
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)
+    else:
+        os.kill(proc.pid, signum)  # to make_venv alone, as `kill PID` or a job runner does
     out, err = proc.communicate(timeout=300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    assert proc.returncode == 130, out + err
-    assert "interrupted" in err
+    assert proc.returncode == code, out + err
+    assert "no half-built venv is left" in err
     no_traceback(done)
-    assert leftovers(prefix) == [] and not (prefix / "deepep_v2").exists()
+    assert sorted(p.name for p in prefix.iterdir()) == [], "something was left in the prefix"
+
+
+def test_a_rebuild_swaps_the_venv_in_one_step(tmp_path: Path) -> None:
+    """The exchange make_venv uses to replace a venv: both paths exist throughout, each now
+    the other's, and the replaced tree is what the rebuild removes."""
+    from ep_image.build_steps import atomic_venv
+
+    old, new = tmp_path / "venv", tmp_path / ".venv.tmp-x"
+    for path, text in ((old, "old"), (new, "new")):
+        path.mkdir()
+        (path / "ep-backend.json").write_text(text)
+    inodes = (old.stat().st_ino, new.stat().st_ino)
+    if not atomic_venv.exchange(new, old):
+        pytest.skip("this file system cannot exchange two names (renameat2)")
+    assert (old / "ep-backend.json").read_text() == "new"
+    assert (new / "ep-backend.json").read_text() == "old"
+    assert (old.stat().st_ino, new.stat().st_ino) == inodes[::-1]
+    atomic_venv.move_into_place(new, old)  # exchanged back, then the other removed
+    assert (old / "ep-backend.json").read_text() == "old" and not new.exists()
 
 
 def failing_hybridep_env(tmp_path: Path) -> dict[str, str]:

@@ -6,6 +6,8 @@ Why: ``use-ep`` and the probes must never see a half-built ``<prefix>/<backend>`
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import os
 import shutil
@@ -112,10 +114,37 @@ def assert_relocated(venv: Path, temp_name: str) -> None:
         )
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the two paths in one step (renameat2 with RENAME_EXCHANGE): no moment exists at
+    which either is missing. False where the kernel or file system cannot (then nothing moved)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def move_into_place(temp: Path, final: Path) -> None:
-    """Rename the finished venv to its final name, replacing an older one only now."""
+    """Put the finished venv at its final name, replacing an older one only now and in one
+    step: the two are exchanged, so ``final`` is always a whole venv (the old one, then the new
+    one), and ``temp`` then holds the old venv, which is removed. Where the file system cannot
+    exchange, the old venv is renamed aside first (a kill between the two renames leaves it as
+    ``.<name>.old-*``, which the next build removes)."""
     if not final.exists():
         os.rename(temp, final)
+        return
+    if exchange(temp, final):
+        shutil.rmtree(temp)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
     old.rmdir()

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(PROG, parse_args, run, argv)
+    return cli.run(PROG, parse_args, run, argv, terminate_cleanly=True)
 
 
 if __name__ == "__main__":

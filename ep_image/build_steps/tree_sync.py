@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run("tree_sync", parse_args, run, argv)
+    return cli.run("tree_sync", parse_args, run, argv, terminate_cleanly=True)
 
 
 if __name__ == "__main__":

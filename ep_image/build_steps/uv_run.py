@@ -44,14 +44,30 @@ def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = No
     with started as proc:
         assert proc.stderr is not None
         lines = []
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            lines.append(line)
+        try:
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                lines.append(line)
+        except BaseException:  # interrupted or terminated: uv must not go on writing the venv
+            stop(proc)
+            raise
     sys.stderr.flush()
     stderr = "".join(lines)
     if proc.returncode != 0:
         raise BuildError(stderr or f"{cmd[0]} exited with {proc.returncode}")
     return stderr
+
+
+def stop(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
+    """End a child that is still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def tail(text: str, count: int = 6) -> str:
