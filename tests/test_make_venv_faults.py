@@ -195,3 +195,30 @@ def test_a_second_build_of_the_same_venv_fails_and_leaves_the_first_alone(tmp_pa
     )
     assert proc.returncode == 1 and "could not clone" in proc.stderr, proc.stderr
     assert not live.exists() and leftovers(prefix) == []
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ('deepep_v2 = [\n  "torch==2.14.1",', 'deepep_v2 = [\n  "torch==2.13.0",'),  # a pin
+        ("dependencies = []", 'dependencies = ["packaging"]'),  # a new dependency
+    ],
+)
+def test_a_pyproject_changed_without_uv_lock_is_refused(
+    tmp_path: Path, edit: tuple[str, str]
+) -> None:
+    """uv sync --frozen would build the stale lock (and record the new pyproject's hash):
+    make_venv refuses before building anything, naming `uv lock`."""
+    from _venv_helpers import ROOT
+
+    project = tmp_path / "project"
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".git", ".venv", "*.pyc"))
+    pyproject = project / "pyproject.toml"
+    assert edit[0] in pyproject.read_text()
+    pyproject.write_text(pyproject.read_text().replace(edit[0], edit[1], 1))
+    prefix = tmp_path / "venvs"
+    proc = make_venv("--backend", "deepep_v2", "--prefix", prefix, "--project", project)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "is not the lock of" in proc.stderr and "run `uv lock`" in proc.stderr
+    no_traceback(proc)
+    assert sorted(p.name for p in prefix.iterdir()) == []

@@ -16,13 +16,14 @@ imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ep_image import abi, cli, ld_trace, project
+from ep_image import abi, cli, dist_records, ld_trace, project
 from ep_image import backends as ep_backends
 
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
@@ -133,6 +134,24 @@ def check_symbols(venv: Path, site: Path, distributions: list[str], report: Repo
         report.problems += result.problems(abi.torch_version(site), strict=False)
 
 
+def recorded_versions(venv: Path, installed: dict[str, str]) -> list[str]:
+    """Distributions whose version differs from what the venv's record (ep-backend.json) says
+    was installed."""
+    try:
+        record = json.loads((venv / project.VENV_RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    problems = []
+    for entry in record.get("installed") or []:
+        name, version = ep_backends.normalize(entry["name"]), entry["version"]
+        if name in installed and installed[name] != version:
+            problems.append(
+                f"{name} {installed[name]} is installed, but {project.VENV_RECORD} records "
+                f"{version}: rebuild the venv with make_venv"
+            )
+    return problems
+
+
 def check(venv: Path, backend: str) -> Report:
     """Inspect one venv for one backend without importing anything from it."""
     report = Report(venv=str(venv), backend=backend)
@@ -160,6 +179,12 @@ def check(venv: Path, backend: str) -> Report:
         report.problems.append(
             f"{wanted.marker_file} missing: deep_ep here is not {backend}'s layout"
         )
+    report.problems += [
+        f"{problem}: the venv is not what was installed (a damaged uv cache entry, or an edit); "
+        "rebuild it with make_venv"
+        for problem in dist_records.verify(site)
+    ]
+    report.problems += recorded_versions(venv, dists)
     resolve_extensions(site, report)
     check_symbols(venv, site, [*present, wanted.distribution], report)
     report.status = "problems found" if report.problems else "installed, not yet proven to work"

@@ -6,11 +6,31 @@ Why: make_venv's backend venvs and build_te's throwaway build venv are made the 
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT
-from ep_image.build_steps.uv_run import run
+from ep_image.build_steps.uv_run import BuildError, run
+
+
+def check_lock(uv: str, project: Path) -> None:
+    """BuildError unless uv.lock is the lock of pyproject.toml as it stands (``uv lock --check``,
+    which needs no network when they agree). Why: ``uv sync --frozen`` installs the lock as it
+    is, so a pyproject.toml changed without ``uv lock`` would build the stale lock and record
+    the new pyproject's hash."""
+    proc = subprocess.run(
+        [uv, "lock", "--check", "--project", str(project)],
+        capture_output=True, text=True, cwd=project, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        said = "\n".join(line for line in proc.stderr.splitlines() if line.strip())[-600:]
+        raise BuildError(
+            f"{project / 'uv.lock'} is not the lock of {project / 'pyproject.toml'} as it "
+            f"stands (changed without `uv lock`, or uv could not check it here); uv said:\n"
+            f"{said}\nNothing was built. Fix: run `uv lock` in {project} and keep both files "
+            "together"
+        )
 
 
 def create_venv(

@@ -43,7 +43,12 @@ from ep_image.build_steps.te_wheels import (
     select_te_wheels,
 )
 from ep_image.build_steps.uv_run import BuildError, tail, uv_executable
-from ep_image.build_steps.venv_checks import check_abi, verify_backend
+from ep_image.build_steps.venv_checks import (
+    check_abi,
+    check_files,
+    check_imports,
+    verify_backend,
+)
 from ep_image.build_steps.venv_record import (
     SKELETONS_RECORD,
     build_info,
@@ -150,6 +155,9 @@ def _build_one(uv: str, name: str, opts: Options, skeleton: bool) -> Path:
             compile_bytecode(temp)
         dedup = dedup_venvs(temp) if opts.dedup and not skeleton else None
         installed = installed_distributions(uv, temp)
+        check_files(temp)
+        if not opts.no_install_packages and any(d["name"] == "torch" for d in installed):
+            check_imports(temp, ["torch"])
         present = verify_backend(temp, backend, installed)
         checked = [*TE_DISTRIBUTIONS, *([] if skeleton else [backend.distribution])]
         abi_results = check_abi(temp, checked, strict=not opts.no_install_packages)
@@ -197,6 +205,7 @@ def _complete_one(uv: str, name: str, opts: Options) -> Path:
     if opts.compile_bytecode:
         compile_new_sources(venv, before)
     installed = installed_distributions(uv, venv)
+    check_files(venv, [backend.distribution])
     present = verify_backend(venv, backend, installed)
     abi_results = check_abi(venv, [backend.distribution], strict=not opts.no_install_packages)
     info = build_info(
@@ -464,6 +473,7 @@ def run(opts: Options) -> int:
         check_inputs(opts)
         prepare_prefix(opts.prefix)
         uv = uv_executable()
+        lock_sync.check_lock(uv, opts.project)
         if opts.mode is Mode.SKELETON:
             build_skeletons(uv, opts)
             return 0

@@ -43,6 +43,7 @@ def make_build_venv(uv: str, venv: Path, project: Path) -> Path:
     """The environment TE compiles against: the lock's ``moe`` extra without TE itself, made by
     the same steps as the backend venvs (no bytecode: it lives only for this build)."""
     try:
+        lock_sync.check_lock(uv, project)
         python = os.environ.get("UV_PYTHON")
         lock_sync.create_venv(uv, venv, python, project, relocatable=False)
         env = {**lock_sync.sync_environment(venv), "UV_COMPILE_BYTECODE": "0"}

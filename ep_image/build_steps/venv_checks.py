@@ -5,9 +5,10 @@ Why: a venv that installs cleanly but fails at import on every GPU node is refus
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
-from ep_image import abi
+from ep_image import abi, dist_records
 from ep_image import backends as ep_backends
 from ep_image.build_steps.uv_run import BuildError
 from ep_image.project import site_packages
@@ -38,6 +39,35 @@ def verify_backend(
             f"({backend.marker_file}): check the pin in pyproject.toml"
         )
     return True
+
+
+def check_files(venv: Path, distributions: list[str] | None = None) -> None:
+    """BuildError unless every installed file (of ``distributions``, else of all) is byte for
+    byte what its RECORD says: a truncated file in uv's cache installs cleanly and fails only
+    at import (ep_image/dist_records.py)."""
+    problems = dist_records.verify(site_packages(venv), distributions)
+    if problems:
+        raise BuildError(
+            f"{len(problems)} installed file(s) are not what their distribution recorded: "
+            f"{dist_records.summary(problems)}. The venv would not import them. Fix: "
+            "`uv cache clean` those distributions (a damaged cache entry), then build again"
+        )
+
+
+def check_imports(venv: Path, modules: list[str]) -> None:
+    """BuildError unless the venv's python imports ``modules`` (no GPU needed for them)."""
+    code = "; ".join(f"import {m}" for m in modules)
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BuildError(
+            f"the venv's python cannot import {', '.join(modules)}: {last}. Fix: see the error "
+            "above; a damaged uv cache entry is the usual cause (`uv cache clean`, then build "
+            "again)"
+        )
 
 
 def check_abi(venv: Path, distributions: list[str], strict: bool) -> list[dict[str, object]]:
