@@ -523,3 +523,44 @@ def test_read_only_refuses_a_root_it_cannot_record_modes_in(tmp_path: Path) -> N
             os.chmod(base / "a", 0o755)
         if as_root:
             shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("root", ["/", "/usr", "/usr/../etc"])
+def test_a_system_tree_is_refused_at_once(root: str) -> None:
+    """`dedup --dry-run /` walked the whole file system before; now it is refused at once."""
+    started = time.monotonic()
+    proc = run_dedup("--dry-run", root)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "a system tree, not a tree of venvs" in proc.stderr
+    assert last_line(proc.stderr).startswith("dedup: fix: give the venvs' directories")
+    assert time.monotonic() - started < 30
+
+
+def test_a_second_run_on_the_same_trees_is_refused_while_the_first_links(
+    venvs, tmp_path: Path
+) -> None:
+    """Two runs at once: the second would walk the trees while the first links them and book
+    bytes it did not free. It is refused, naming the run that holds them; the first finishes
+    with a report that adds up (du before and after, freed)."""
+    a, b = venvs
+    started, release = tmp_path / "linking", tmp_path / "go-on"
+    env = wrapped_hardlink(
+        tmp_path / "wrap",
+        before=f"touch {started}; while [ ! -e {release} ]; do sleep 0.05; done",
+    )
+    report = tmp_path / "first.json"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "ep_image.build_steps.dedup", "--json", str(report), str(a), str(b)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(started, first)
+        second = run_dedup(b, a)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "another dedup run is working on" in second.stderr
+    finally:
+        release.touch()
+        out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, out + err
+    data = json.loads(report.read_text())
+    assert data["du_bytes_before"] - data["du_bytes_after"] == data["saved_bytes"]

@@ -10,12 +10,14 @@ filesystem, the excludes, the bytecode rule, ``--read-only`` (dedup_read_only) a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ep_image import cli
@@ -51,14 +53,29 @@ _PY = r"\.py$"
 _NOT_PY = r"([^.]..|.[^p].|..[^y])$"
 
 
+#: Trees no ROOT may be: the file system's root and its system directories (a dedup of ``/``
+#: would walk, and hardlink, the whole machine).
+SYSTEM_TREES = frozenset(
+    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
+     "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var"}
+)  # fmt: skip
+
+
 def resolve_roots(roots: Iterable[str | Path]) -> tuple[list[Path], int]:
-    """Absolute, existing, non-nested roots on one device; DedupError otherwise."""
+    """Absolute, existing, non-nested roots on one device, none a system tree; DedupError
+    otherwise."""
     resolved: list[Path] = []
     for root in roots:
         path = Path(root).resolve()
         if not path.is_dir():
             raise DedupError(
                 f"{root}: not a directory", "give each ROOT as an existing directory tree"
+            )
+        if str(path) in SYSTEM_TREES:
+            raise DedupError(
+                f"{root} is {path}, a system tree, not a tree of venvs. Nothing was changed.",
+                "give the venvs' directories as ROOTs (e.g. /opt/venvs/deepep_v1 "
+                "/opt/venvs/hybridep)",
             )
         resolved.append(path)
     devices = {path: os.stat(path).st_dev for path in resolved}
@@ -89,6 +106,37 @@ def dedup(
     """Deduplicate ``roots`` and return the report (DedupError: refused, nothing changed)."""
     started = time.monotonic()
     paths, device = resolve_roots(roots)
+    with lock_roots(paths):
+        return _dedup(paths, device, started, dry_run, read_only, excludes, min_size)
+
+
+@contextlib.contextmanager
+def lock_roots(paths: list[Path]) -> Iterator[None]:
+    """Hold an exclusive lock on each ROOT directory for the run: a second dedup of the same
+    trees would walk them while the first links them, and book what it did not do."""
+    with contextlib.ExitStack() as stack:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            stack.callback(os.close, fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DedupError(
+                    f"another dedup run is working on {path}. Nothing was changed.",
+                    "wait for it to end (its report is the one to read), then run again if needed",
+                ) from None
+        yield
+
+
+def _dedup(
+    paths: list[Path],
+    device: int,
+    started: float,
+    dry_run: bool,
+    read_only: bool,
+    excludes: tuple[str, ...],
+    min_size: int,
+) -> Report:
     binary, version = find_hardlink()
     report = Report(
         roots=[str(p) for p in paths], device=device, dry_run=dry_run, read_only=read_only
