@@ -44,3 +44,27 @@ def find_uv() -> str:
         f"(from PyPI, into {candidate.parent}), "
         f"or `python3 -m pip install uv=={UV_VERSION}`"
     )
+
+
+#: Where Debian, Ubuntu (and the NGC images) keep the system's CA bundle.
+SYSTEM_CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+
+
+def use_system_trust_store(env: dict[str, str] | None = None) -> str:
+    """Make the uv this process runs trust what the machine trusts, and say which store.
+
+    uv trusts its own bundled roots by default, so behind a TLS-inspecting proxy (whose CA is in
+    the system's store, as a company installs it) every download fails with "invalid peer
+    certificate: UnknownIssuer". A bundle given in SSL_CERT_FILE is used as it is (by uv and by
+    Python); else, where the system has a store and UV_SYSTEM_CERTS is not set, it is turned on.
+    ``env``: the environment to adjust (default this process's, which children inherit).
+    """
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    if env.get("SSL_CERT_FILE"):
+        return f"the CA bundle SSL_CERT_FILE names ({env['SSL_CERT_FILE']})"
+    if "UV_SYSTEM_CERTS" in env:
+        return f"UV_SYSTEM_CERTS={env['UV_SYSTEM_CERTS']} (as set)"
+    if env.get("SSL_CERT_DIR") or any(Path(b).is_file() for b in SYSTEM_CA_BUNDLES):
+        env["UV_SYSTEM_CERTS"] = "1"
+        return "the system's trust store (UV_SYSTEM_CERTS=1)"
+    return "uv's bundled roots (no system trust store here)"

@@ -23,7 +23,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from ep_image.tools import UV_VERSION, bootstrap_dir
+from ep_image.tools import UV_VERSION, bootstrap_dir, use_system_trust_store
 
 #: PyPI's simple index in its JSON form (PEP 691), which every PyPI mirror serves.
 PYPI_SIMPLE = "https://pypi.org/simple/uv/"
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         help="print the POSIX shell line that puts this uv first on PATH (for eval)",
     )
     args = parser.parse_args(argv)
+    say(f"TLS: {use_system_trust_store()}")  # uv and this script behind a TLS-inspecting proxy
     if args.shell and command:
         parser.error("--shell prints a line for eval; it runs no COMMAND")
     uv_dir = ensure_uv()

@@ -371,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
     the standard library is used (plus ep_image): this runs before anything else exists in an
     image. Exit codes: 0 built (or skipped, or a dry run); 1 an error that names its fix.
     """
+    tools.use_system_trust_store()  # behind a TLS-inspecting proxy too
     try:
         if args.skip is not None:
             path = write_record(args.out, skip_record(args))

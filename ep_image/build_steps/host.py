@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image import child_env, cli
+from ep_image import child_env, cli, tools
 from ep_image.build_steps import dedup
 from ep_image.tools import USE_EP
 
@@ -162,6 +162,7 @@ def build(args: argparse.Namespace, prefix: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    tools.use_system_trust_store()  # behind a TLS-inspecting proxy too; make_venv inherits it
     prefix = Path(os.path.abspath(args.prefix))
     try:
         prefix.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image import child_env, cli, source_build
+from ep_image import child_env, cli, source_build, tools
 from ep_image.build_steps import dedup as dedup_step
 from ep_image.build_steps import lock_sync
 from ep_image.build_steps.atomic_venv import (
@@ -468,6 +468,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
 def run(opts: Options) -> int:
     """Build what ``opts`` asks for. A build error is one line naming its fix (each backend's
     as it fails, with --keep-going the others are still built), exit 1."""
+    tools.use_system_trust_store()  # behind a TLS-inspecting proxy too
     failed: list[str] = []
     try:
         check_inputs(opts)
