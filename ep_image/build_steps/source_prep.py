@@ -48,7 +48,7 @@ def prepare_source_build(
         raise BuildError(f"{backend.name}: {exc}") from None
     print(
         f"make_venv: {backend.name}: build key {source_build.key_digest(key)[:12]} ({state}"
-        + ("; its cached builds dropped" if state == "changed" else "")
+        + ("; its cached builds dropped" if state == "changed" or exporting else "")
         + f"){', driver stubs on LIBRARY_PATH' if 'LIBRARY_PATH' in extra else ''}"
         + f"{', make -j bounded to ' + extra['EP_MAKE_JOBS'] if 'EP_MAKE_JOBS' in extra else ''}",
         flush=True,
