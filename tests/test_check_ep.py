@@ -21,9 +21,10 @@ from conftest import BROKEN, ROOT, clean_env, run_probe_in
 from fake_installs import fake_deep_ep
 
 from ep_image import backends
-from ep_image.probes import _ep_detect, check_ep
-from ep_image.probes._ep_scenarios import NAMES as SCENARIOS
+from ep_image.probes import _backend_detect
 from ep_image.probes._report import Status
+from ep_image.probes.check_ep import cli as check_ep
+from ep_image.probes.check_ep.scenarios import NAMES as SCENARIOS
 
 PROBE = "ep_image.probes.check_ep"
 
@@ -411,7 +412,7 @@ def test_backend_from_layout(tmp_path: Path, markers: list[str], expected: str |
     for marker in markers:
         (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / marker).write_text("")
-    assert _ep_detect.backend_from_layout(tmp_path) == expected
+    assert _backend_detect.backend_from_layout(tmp_path) == expected
 
 
 @pytest.mark.parametrize(
@@ -425,7 +426,7 @@ def test_backend_from_layout(tmp_path: Path, markers: list[str], expected: str |
     ],
 )
 def test_backend_from_distribution(dist: str, version: str, expected: str | None) -> None:
-    assert _ep_detect.backend_from_distribution(dist, version) == expected
+    assert _backend_detect.backend_from_distribution(dist, version) == expected
 
 
 def test_detect_git_built_hybridep_with_commit(
@@ -444,12 +445,12 @@ def test_detect_git_built_hybridep_with_commit(
         )
     )
     monkeypatch.syspath_prepend(str(site))
-    found = _ep_detect.detect_installed()
+    found = _backend_detect.detect_installed()
     assert found.backend == "hybridep"
     assert found.distribution == "deep_ep" and found.version == "1.2.1+e0a5b1d"
     assert found.commit == "e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8"
     (info / "direct_url.json").unlink()
-    assert _ep_detect.detect_installed().commit == "e0a5b1d"  # the +<shortsha> local version
+    assert _backend_detect.detect_installed().commit == "e0a5b1d"  # the +<shortsha> local version
 
 
 @pytest.mark.parametrize(
@@ -511,7 +512,7 @@ def test_detect_git_built_hybridep_with_commit(
 def test_classify_import_failure(
     output: str, code: int, gpu: bool, status: Status, hint_phrase: str
 ) -> None:
-    got, detail, hint = _ep_detect.classify_import_failure("deepep_v2", output, code, gpu)
+    got, detail, hint = _backend_detect.classify_import_failure("deepep_v2", output, code, gpu)
     assert got == status
     assert hint_phrase in hint
     assert "\n" not in detail
@@ -520,14 +521,14 @@ def test_classify_import_failure(
 def test_markers_and_distributions_match_the_build_registry() -> None:
     """The probe's identity rules agree with ep_image/backends/ (one registry, two readers)."""
     registry = backends.load_registry(ROOT)
-    assert tuple(registry) == _ep_detect.BACKEND_NAMES
-    markers = dict(_ep_detect.MARKERS)
+    assert tuple(registry) == _backend_detect.BACKEND_NAMES
+    markers = dict(_backend_detect.MARKERS)
     for name, backend in registry.items():
         assert backend.marker_file == f"deep_ep/{markers[name]}", name
         version = backend.requirement.split("==", 1)[1] if "==" in backend.requirement else "0"
-        by_dist = _ep_detect.backend_from_distribution(backend.distribution, version)
+        by_dist = _backend_detect.backend_from_distribution(backend.distribution, version)
         assert by_dist in (name, None), (name, by_dist)
-        assert backend.distribution in _ep_detect.KNOWN_DISTRIBUTIONS
+        assert backend.distribution in _backend_detect.KNOWN_DISTRIBUTIONS
 
 
 def test_merge_exit_codes() -> None:
@@ -546,13 +547,13 @@ def test_reference_catches_swapped_payload_and_wrong_expert() -> None:
     """check_dispatch, fed by hand: exact input passes, each single fault is named."""
     import torch
 
-    from ep_image.probes._ep_reference import (
+    from ep_image.probes.check_ep.adapters import Dispatched, Shape
+    from ep_image.probes.check_ep.reference import (
         GlobalRouting,
         check_dispatch,
         expected_for_rank,
         make_inputs,
     )
-    from ep_image.probes.ep_adapters import Dispatched, Shape
 
     cpu = torch.device("cpu")
     shape = Shape(tokens=16, hidden=16, experts=8, topk=2, dtype=torch.float32, device=cpu)
@@ -608,7 +609,7 @@ def test_hybridep_routing_map_conversion() -> None:
     """The HybridEP adapter's map -> top-k conversion (pure torch, so it is testable here)."""
     import torch
 
-    from ep_image.probes.ep_adapters import _routing_map_to_topk
+    from ep_image.probes.check_ep.adapters import _routing_map_to_topk
 
     routing = torch.tensor([[True, False, True], [False, False, True], [False, False, False]])
     probs = torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.75], [0.0, 0.0, 0.0]])
@@ -633,7 +634,8 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     """DeepEP v2 compiles its kernels at first dispatch into EP_JIT_CACHE_DIR (~/.deep_ep): the
     report says where, whether it was warm, and whether GIN was turned off (measured on the
     H200: 36 s cold, 21 s warm, docs/probe-results.md)."""
-    from ep_image.probes import _ep_steps, ep_adapters
+    from ep_image.probes.check_ep import adapters as ep_adapters
+    from ep_image.probes.check_ep import steps as _ep_steps
 
     cache = tmp_path / "jit"
     (cache / "kernels").mkdir(parents=True)

@@ -284,7 +284,7 @@ def test_the_path_scan_sees_the_commands_that_matter() -> None:
     for must in (
         ".ci/run",
         "docker/Dockerfile",
-        "ep_image/probes/check_ep.py",
+        module_path("ep_image.probes.check_ep"),
         module_path("ep_image.backends"),
         "docker/ep-entrypoint",
         ".github/scripts/in-image.sh",

@@ -14,7 +14,7 @@ import platform
 import sys
 from typing import Any
 
-from ep_image.probes import _ep_detect, _facts, _venv_record
+from ep_image.probes import _backend_detect, _facts, _venv_record
 from ep_image.probes._report import (
     EXIT_OK,
     EXIT_USAGE,
@@ -69,7 +69,7 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
     build_info_path = _facts.te_build_info_path(te_build_info)
     build_info = _facts.read_json_file(build_info_path)
     loaded = _facts.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
-    installed = _ep_detect.detect_installed()
+    installed = _backend_detect.detect_installed()
     cuda_home, cuda_home_from = _facts.cuda_home()
     nvcc, nvcc_version = _facts.nvcc_version(cuda_home)
     te_dir = _facts.module_dir("transformer_engine")

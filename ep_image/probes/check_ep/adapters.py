@@ -38,9 +38,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ep_image.probes._ep_detect import registry
-from ep_image.probes._ep_scenarios import DROPPED_SLOTS, INPUT_CLASSES, UNEVEN_TOKENS  # noqa: F401
+from ep_image.probes._backend_detect import registry
 from ep_image.probes._report import UsageError
+from ep_image.probes.check_ep.scenarios import DROPPED_SLOTS, INPUT_CLASSES, UNEVEN_TOKENS  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

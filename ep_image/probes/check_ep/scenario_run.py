@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ep_image.probes import _supervise
-from ep_image.probes._ep_reference import (
+from ep_image.probes.check_ep.reference import (
     Expected,
     GlobalRouting,
     Inputs,
@@ -43,7 +43,7 @@ from ep_image.probes._ep_reference import (
     tensor_contract,
     token_scale,
 )
-from ep_image.probes._ep_scenarios import (
+from ep_image.probes.check_ep.scenarios import (
     BY_NAME,
     ERROR,
     FAIL,
@@ -59,8 +59,8 @@ from ep_image.probes._ep_scenarios import (
 )
 
 if TYPE_CHECKING:
-    from ep_image.probes._ep_dist import Runtime
-    from ep_image.probes.ep_adapters import EPBackend, Shape
+    from ep_image.probes.check_ep.adapters import EPBackend, Shape
+    from ep_image.probes.check_ep.ranks import Runtime
 
 
 class BackendRaised(Exception):

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ep_image.probes._ep_dist import SHARED_GPU_LABEL, Runtime, agree
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
+from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, Runtime, agree
 
 if TYPE_CHECKING:
-    from ep_image.probes.ep_adapters import EPBackend, Shape
+    from ep_image.probes.check_ep.adapters import EPBackend, Shape
 
 
 @dataclass
@@ -36,7 +36,7 @@ class CheckContext:
 
 
 def prepare_checks(rt: Runtime, shape: Shape, args: argparse.Namespace) -> CheckContext:
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     inputs = ref.make_inputs(shape, rt.env.rank, args.seed)
     g = ref.gather_global(inputs, rt.ep_group)
@@ -79,7 +79,7 @@ def sync(rt: Runtime) -> None:
 def _expert_output(rt: Runtime, ctx: CheckContext, d: Any) -> Any:
     """The stand-in experts applied to received rows: each row times the weighted scales of
     the token it names (from the reference routing), identity columns 0."""
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     ids = ref.decode_ids(d.recv_x, ctx.global_routing)
     return ref.expert_output(d.recv_x, ref.row_factor(ctx.expected, ids))
@@ -87,7 +87,7 @@ def _expert_output(rt: Runtime, ctx: CheckContext, d: Any) -> Any:
 
 def step_dispatch_combine(rt: Runtime, backend: EPBackend, ctx: CheckContext) -> Step:
     """One dispatch and one combine, compared token by token with the reference."""
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     with timed_step("dispatch_combine") as step:
         inp = ctx.inputs
@@ -188,7 +188,7 @@ def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int)
     """Gradient of sum(combine(expert(dispatch(x))) * g) w.r.t. x versus g * sum_k w_k s_k,
     then each backward operation on its own (an error in one that the other undoes still
     gives the experts wrong weight gradients)."""
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     dispatch_fn, combine_fn = _autograd_functions()
     with timed_step("backward") as step:
@@ -242,7 +242,7 @@ def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int)
 
 def _backward_ops(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int) -> list[str]:
     """combine_backward and dispatch_backward alone, through a new dispatch of the routing."""
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     inp, shape, g = ctx.inputs, ctx.shape, ctx.global_routing
     d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
@@ -295,7 +295,7 @@ def _summarize_backward(merged: Step, per_rank: list[Step]) -> None:
 
 def step_replay(rt: Runtime, backend: EPBackend, ctx: CheckContext, replays: int) -> Step:
     """Dispatch the same routing again: rows, counts and every payload bit must not change."""
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     with timed_step("replay") as step:
         inp = ctx.inputs
@@ -364,8 +364,8 @@ def step_scenarios(
     rt: Runtime, backend: EPBackend, ctx: CheckContext, args: argparse.Namespace
 ) -> Step:
     """The selected scenarios of ``_ep_scenarios``, each checked on every rank."""
-    from ep_image.probes import _ep_scenario_run
-    from ep_image.probes import _ep_scenarios as scen
+    from ep_image.probes.check_ep import scenario_run
+    from ep_image.probes.check_ep import scenarios as scen
 
     with timed_step("scenarios") as step:
         names = list(args.scenario_names)
@@ -381,9 +381,7 @@ def step_scenarios(
             step.status = Status.INFO
             step.detail = "no scenario selected (--scenarios none)"
         else:
-            results = _ep_scenario_run.run_all(
-                rt, backend, ctx.shape, names, args.seed, ctx.tolerance
-            )
+            results = scenario_run.run_all(rt, backend, ctx.shape, names, args.seed, ctx.tolerance)
             step.data["scenarios"] = results
             statuses = {r["status"] for r in results}
             bad = [r for r in results if r["status"] in (scen.FAIL, scen.ERROR)]
@@ -407,7 +405,7 @@ SCENARIO_HINT = (
 
 def _scenarios_detail(results: list[dict[str, Any]], tokens: int) -> str:
     """One line: what failed first (with its rank), what passed, what does not apply."""
-    from ep_image.probes import _ep_scenarios as scen
+    from ep_image.probes.check_ep import scenarios as scen
 
     def names(status: str) -> list[str]:
         return [r["name"] for r in results if r["status"] == status]
@@ -435,8 +433,8 @@ def _scenarios_detail(results: list[dict[str, Any]], tokens: int) -> str:
 
 def _summarize_scenarios(merged: Step, per_rank: list[Step]) -> None:
     """Each scenario merged over ranks: the worst status, the first bad rank's detail."""
-    from ep_image.probes import _ep_scenarios as scen
     from ep_image.probes._report import one_line
+    from ep_image.probes.check_ep import scenarios as scen
 
     lists = [s.data.get("scenarios") for s in per_rank]
     if not lists or any(not isinstance(x, list) for x in lists) or not lists[0]:
@@ -476,7 +474,7 @@ def step_bandwidth(
     """
     import torch
 
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     with timed_step("bandwidth") as step:
         inp = ctx.inputs

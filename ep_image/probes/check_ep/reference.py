@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.ep_adapters import Dispatched, Shape, all_gather_rows
+from ep_image.probes.check_ep.adapters import Dispatched, Shape, all_gather_rows
 
 ID_COLUMNS = 3
 ID_BASE = 256

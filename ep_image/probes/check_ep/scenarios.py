@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from ep_image.probes.ep_adapters import EPBackend, Shape
+    from ep_image.probes.check_ep.adapters import EPBackend, Shape
 
     Router = Callable[[torch.Generator, int], torch.Tensor]
 
@@ -176,7 +176,7 @@ def dropped_routing(experts: int, topk: int) -> Router:
     def route(gen: torch.Generator, tokens: int) -> torch.Tensor:
         import torch
 
-        from ep_image.probes._ep_reference import uniform_routing
+        from ep_image.probes.check_ep.reference import uniform_routing
 
         idx = uniform_routing(gen, tokens, experts, topk)
         drop = torch.rand(idx.shape, generator=gen) < 0.25

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """check_ep: prove that an expert-parallel (EP) backend works, not just that it imports.
 
 Drives the backend as an MoE layer does, on the real process group, and checks every result
@@ -15,9 +14,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_image.probes import _ep_detect, _ep_launch, _ep_output, _ep_scenarios, _supervise
-from ep_image.probes._ep_board import Board
-from ep_image.probes._ep_dist import (
+from ep_image.probes import _backend_detect, _supervise
+from ep_image.probes._report import (
+    EXIT_USAGE,
+    ProbeArgumentParser,
+    Status,
+    Step,
+    UsageError,
+    exit_code_of,
+)
+from ep_image.probes.check_ep import launch, output, scenarios
+from ep_image.probes.check_ep.board import Board
+from ep_image.probes.check_ep.ranks import (
     RankEnv,
     agree_code,
     connect_store,
@@ -27,18 +35,12 @@ from ep_image.probes._ep_dist import (
     init_distributed,
     topology,
 )
-from ep_image.probes._ep_steps import STEP_NAMES, not_run, run_steps
-from ep_image.probes._report import (
-    EXIT_USAGE,
-    ProbeArgumentParser,
-    Status,
-    Step,
-    UsageError,
-    exit_code_of,
-)
+from ep_image.probes.check_ep.steps import STEP_NAMES, not_run, run_steps
 
 PROG = "check_ep"
-BACKEND_CHOICES = ("auto", *_ep_detect.BACKEND_NAMES, _ep_detect.REFERENCE_BACKEND)
+#: What the ranks of --nproc-per-node run: ``python -m MODULE`` (the package's __main__).
+MODULE = "ep_image.probes.check_ep"
+BACKEND_CHOICES = ("auto", *_backend_detect.BACKEND_NAMES, _backend_detect.REFERENCE_BACKEND)
 
 #: Default layer shape: a DeepSeek-V3-like MoE layer on GPU, a small one on CPU.
 GPU_DEFAULTS = {"tokens": 4096, "hidden": 7168, "experts": 256, "topk": 8}
@@ -85,7 +87,7 @@ the table's last line and in the JSON report's exit_code.
         "--backend",
         default="auto",
         metavar="NAME",
-        help=f"backend to check: auto, {', '.join(_ep_detect.BACKEND_NAMES)} or torch (the "
+        help=f"backend to check: auto, {', '.join(_backend_detect.BACKEND_NAMES)} or torch (the "
         "built-in all_gather reference). auto picks the one installed here, torch if none "
         "(default: auto)",
     )
@@ -127,7 +129,7 @@ the table's last line and in the JSON report's exit_code.
         default="all",
         metavar="LIST",
         help="scenarios to run after the layer-shape checks: all, none, or a comma list of "
-        f"{', '.join(_ep_scenarios.NAMES)} (default: all)",
+        f"{', '.join(scenarios.NAMES)} (default: all)",
     )
     parser.add_argument(
         "--replays",
@@ -211,7 +213,7 @@ def validate_static(args: argparse.Namespace, world: int) -> None:
     if args.ranks_per_gpu < 1:
         raise UsageError(f"--ranks-per-gpu must be >= 1, got {args.ranks_per_gpu}")
     try:
-        args.scenario_names = _ep_scenarios.parse(args.scenarios)
+        args.scenario_names = scenarios.parse(args.scenarios)
     except ValueError as exc:
         raise UsageError(f"--scenarios: {exc}") from None
     validate_shape(args.tokens, args.hidden, args.experts, args.topk, world)
@@ -248,7 +250,7 @@ class Selection:
 
     name: str
     how: str
-    installed: _ep_detect.Installed | None
+    installed: _backend_detect.Installed | None
     verdict: Step | None = None
     custom: bool = False
 
@@ -259,7 +261,7 @@ def select_backend(args: argparse.Namespace) -> Selection:
         return Selection("custom", f"--backend-class {args.backend_class}", None, custom=True)
     if args.backend == "torch":
         return Selection("torch", "requested", None)
-    installed = _ep_detect.detect_installed()
+    installed = _backend_detect.detect_installed()
     if args.backend == "auto":
         if installed.module_dir is None:
             return Selection(
@@ -270,7 +272,7 @@ def select_backend(args: argparse.Namespace) -> Selection:
                 "import",
                 Status.ERROR,
                 detail=f"auto: {installed.reason}",
-                hint=f"install one of {', '.join(_ep_detect.BACKEND_NAMES)}, or pass "
+                hint=f"install one of {', '.join(_backend_detect.BACKEND_NAMES)}, or pass "
                 "--backend torch",
             )
             return Selection("unknown", "auto", installed, step)
@@ -285,7 +287,7 @@ def select_backend(args: argparse.Namespace) -> Selection:
             f"{installed.backend or 'an unknown deep_ep'} ({installed.reason})"
         )
     step = Step(
-        "import", Status.MISSING, detail=detail, hint=_ep_detect.INSTALL_HINTS[args.backend]
+        "import", Status.MISSING, detail=detail, hint=_backend_detect.INSTALL_HINTS[args.backend]
     )
     return Selection(args.backend, "requested", installed, step)
 
@@ -310,11 +312,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if env.launched:
             raise UsageError("--nproc-per-node cannot be used under torchrun; pass one of them")
         validate_static(args, args.nproc_per_node)
-        return _ep_launch.launch_local(args.nproc_per_node, __spec__.name, argv)
+        return launch.launch_local(args.nproc_per_node, MODULE, argv)
     validate_static(args, env.world)
     code = supervise(args, env)
     if env.rank == 0:
-        _ep_launch.write_exit_code(code)
+        launch.write_exit_code(code)
     return code
 
 
@@ -323,7 +325,7 @@ def supervise(args: argparse.Namespace, env: RankEnv) -> int:
     sel = select_backend(args)
     if sel.verdict is not None:
         steps = [sel.verdict] + [not_run(n, sel.verdict) for n in STEP_NAMES[1:]]
-        return _ep_output.finish(args, env, sel, steps, {}, exit_code_of(steps, args.require))
+        return output.finish(args, env, sel, steps, {}, exit_code_of(steps, args.require))
 
     if env.launched:
         # This process talks to the job's store (torch's TCPStore): import torch once, before
@@ -359,7 +361,7 @@ def supervise(args: argparse.Namespace, env: RankEnv) -> int:
         return outcome.code
     outcomes = board.read(wait=5.0) if board is not None else {}
     outcomes[env.rank] = posted
-    return _ep_output.report_unfinished(args, env, sel, outcome, outcomes)
+    return output.report_unfinished(args, env, sel, outcome, outcomes)
 
 
 def _worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
@@ -377,12 +379,12 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
     _supervise.progress.update(backend=sel.name, current="import", steps=[])
     import torch
 
-    from ep_image.probes import ep_adapters
+    from ep_image.probes.check_ep import adapters
 
     backend_cls = (
-        ep_adapters.load_backend_class(args.backend_class)
+        adapters.load_backend_class(args.backend_class)
         if args.backend_class
-        else ep_adapters.BUILTIN[sel.name]
+        else adapters.BUILTIN[sel.name]
     )
     if sel.custom:
         sel.name = backend_cls.name
@@ -426,7 +428,7 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
 
     rt = init_distributed(env, placement, args.timeout, store)
     rt.node_of_rank = [r["node"] for r in layout["ranks"]]
-    shape = ep_adapters.Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
+    shape = adapters.Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
     meta = {
         "device": str(rt.device),
         "dtype": dtype_name,
@@ -434,8 +436,8 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
         "seed": args.seed,
         "scenarios": {
             "selected": args.scenario_names,
-            "tokens_per_rank": min(sizes["tokens"], _ep_scenarios.SCENARIO_TOKENS),
-            "seeds": {n: _ep_scenarios.scenario_seed(args.seed, n) for n in args.scenario_names},
+            "tokens_per_rank": min(sizes["tokens"], scenarios.SCENARIO_TOKENS),
+            "seeds": {n: scenarios.scenario_seed(args.seed, n) for n in args.scenario_names},
         },
         "ranks_per_gpu": placement.ranks_per_gpu,
         "shared_gpu": placement.shared,
@@ -453,7 +455,7 @@ def run_worker(args: argparse.Namespace, env: RankEnv, sel: Selection) -> int:
             print(f"{PROG}: rank {env.rank}: backend destroy failed: {exc}", file=sys.stderr)
     code = agree_code(rt, exit_code_of(steps, args.require))
     try:
-        return _ep_output.finish(args, env, sel, steps, meta, code)
+        return output.finish(args, env, sel, steps, meta, code)
     finally:
         import torch.distributed as dist
 
@@ -469,7 +471,3 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

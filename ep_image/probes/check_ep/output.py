@@ -14,8 +14,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ep_image.probes import _facts, _supervise, _venv_record
-from ep_image.probes._ep_dist import SHARED_GPU_LABEL, RankEnv
-from ep_image.probes._ep_steps import STEP_NAMES, not_run
 from ep_image.probes._report import (
     EXIT_UNUSABLE,
     Status,
@@ -25,6 +23,8 @@ from ep_image.probes._report import (
     write_report,
 )
 from ep_image.probes._supervise import Outcome
+from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
+from ep_image.probes.check_ep.steps import STEP_NAMES, not_run
 
 if TYPE_CHECKING:
     from ep_image.probes.check_ep import Selection

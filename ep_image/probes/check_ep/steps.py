@@ -14,13 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ep_image.probes import _ep_checks, _ep_detect, _facts, _supervise
-from ep_image.probes._ep_dist import Runtime, agree
+from ep_image.probes import _backend_detect, _facts, _supervise
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
+from ep_image.probes.check_ep import checks as kernel_checks
+from ep_image.probes.check_ep.ranks import Runtime, agree
 
 if TYPE_CHECKING:
     from ep_image.probes.check_ep import Selection
-    from ep_image.probes.ep_adapters import EPBackend, Shape
+    from ep_image.probes.check_ep.adapters import EPBackend, Shape
 
 STEP_NAMES = (
     "import",
@@ -64,7 +65,7 @@ def run_steps(
     def gate(name: str, check: Callable[[], Step]) -> bool:
         begin(name, steps)
         step = guarded(name, check)
-        step.hint = step.hint or _ep_detect.run_time_hint(step.detail)
+        step.hint = step.hint or _backend_detect.run_time_hint(step.detail)
         steps.append(step)
         if step.status != Status.PASS:
             steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
@@ -79,23 +80,23 @@ def run_steps(
         return steps
     begin("dispatch_combine", steps)
     with timed_step("dispatch_combine") as prep:
-        ctx = _ep_checks.prepare_checks(rt, shape, args)
+        ctx = kernel_checks.prepare_checks(rt, shape, args)
     if prep.status != Status.PASS:
         prep.detail = "preparing the reference failed: " + prep.detail
         steps.append(agree(rt, prep))
         steps.extend(not_run(n, steps[-1]) for n in STEP_NAMES[len(steps) :])
         return steps
     checks: list[tuple[str, Callable[[], Step]]] = [
-        ("dispatch_combine", lambda: _ep_checks.step_dispatch_combine(rt, backend, ctx)),
-        ("backward", lambda: _ep_checks.step_backward(rt, backend, ctx, args.seed)),
-        ("replay", lambda: _ep_checks.step_replay(rt, backend, ctx, args.replays)),
-        ("scenarios", lambda: _ep_checks.step_scenarios(rt, backend, ctx, args)),
-        ("bandwidth", lambda: _ep_checks.step_bandwidth(rt, backend, ctx, args)),
+        ("dispatch_combine", lambda: kernel_checks.step_dispatch_combine(rt, backend, ctx)),
+        ("backward", lambda: kernel_checks.step_backward(rt, backend, ctx, args.seed)),
+        ("replay", lambda: kernel_checks.step_replay(rt, backend, ctx, args.replays)),
+        ("scenarios", lambda: kernel_checks.step_scenarios(rt, backend, ctx, args)),
+        ("bandwidth", lambda: kernel_checks.step_bandwidth(rt, backend, ctx, args)),
     ]
     for name, check in checks:
         begin(name, steps)
         step = guarded(name, check)
-        step.hint = step.hint or _ep_detect.run_time_hint(step.detail)
+        step.hint = step.hint or _backend_detect.run_time_hint(step.detail)
         steps.append(step)
         if step.status == Status.ERROR:
             # The backend raised: its state (and the group's) is unknown, stop here.
@@ -144,9 +145,9 @@ def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
                     data,
                 )
             if rt.env.local_rank == 0:
-                trial = _ep_detect.trial_import(timeout=rt.timeout * 0.8)
+                trial = _backend_detect.trial_import(timeout=rt.timeout * 0.8)
                 if not trial.ok:
-                    status, detail, hint = _ep_detect.classify_import_failure(
+                    status, detail, hint = _backend_detect.classify_import_failure(
                         sel.name, trial.output, trial.returncode, torch.cuda.is_available()
                     )
                     data["import_output_tail"] = trial.output[-2000:]
@@ -305,7 +306,7 @@ def _check_nccl(
             (
                 Status.ERROR,
                 f"NCCL {nccl} loaded, {backend.name} needs >= {need}",
-                _ep_detect.NCCL_FIX,
+                _backend_detect.NCCL_FIX,
             )
         )
 
@@ -327,8 +328,8 @@ def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) 
     found = nvshmem[1] if nvshmem else data["nvshmem_dir"]
     text = f"NVSHMEM {found}" if found else "NVSHMEM not found"
     links = (
-        backend.name in _ep_detect.BACKEND_NAMES
-        and _ep_detect.registry.spec(backend.name).links_nvshmem
+        backend.name in _backend_detect.BACKEND_NAMES
+        and _backend_detect.registry.spec(backend.name).links_nvshmem
     )
     extension = _facts.extension_path("deep_ep_cpp") if links else None
     if extension:
@@ -370,10 +371,10 @@ def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:
     import torch.distributed as dist
 
     with timed_step("buffer") as step:
-        _ep_checks.sync(rt)
+        kernel_checks.sync(rt)
         dist.barrier(group=rt.ctrl_group)
         backend.create(rt.ep_group, shape)
-        _ep_checks.sync(rt)
+        kernel_checks.sync(rt)
         local = shape.local_experts(rt.env.world)
         step.detail = (
             f"{type(backend).__name__} on {rt.env.world} rank(s): {shape.tokens} tokens/rank, "
