@@ -42,7 +42,8 @@ def test_torchrun_is_the_venvs_own() -> None:
     for call in calls:
         assert re.fullmatch(r"`?venvs/\w+/bin/torchrun", call), call
     assert "bin/check-ep --nproc-per-node" in section
-    assert '"--nproc-per-node"' in (ROOT / "ep_image" / "probes" / "check_ep.py").read_text()
+    cli = ROOT / "ep_image" / "probes" / "check_ep" / "cli.py"
+    assert '"--nproc-per-node"' in cli.read_text()
 
 
 def _shows_skip_reasons(args: str) -> bool:

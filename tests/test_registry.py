@@ -167,15 +167,15 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
 def test_each_backend_has_the_adapter_of_its_api() -> None:
     """check_ep's adapters are keyed by the ``deep_ep`` API they drive; the registry says which
     backend ships which, so a backend's name is written in its module only."""
-    from ep_image.probes.check_ep import adapters as ep_adapters
+    from ep_image.probes.check_ep.adapters import plugins
 
     for spec in backends.SPECS:
-        adapter = ep_adapters.BUILTIN[spec.name]
-        assert issubclass(adapter, ep_adapters.ADAPTERS[spec.api]), spec.name
+        adapter = plugins.BUILTIN[spec.name]
+        assert issubclass(adapter, plugins.ADAPTERS[spec.api]), spec.name
         assert adapter.name == spec.name and adapter.api == spec.api
-    assert set(ep_adapters.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
+    assert set(plugins.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
     # The shared adapter classes were not renamed by binding them.
-    assert all(cls.name == "" for cls in ep_adapters.ADAPTERS.values())
+    assert all(cls.name == "" for cls in plugins.ADAPTERS.values())
 
 
 def test_every_internode_check_kind_has_its_check() -> None:

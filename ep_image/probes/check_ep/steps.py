@@ -8,35 +8,20 @@ and each step leaves a breadcrumb so a crash or hang is reported at the step it 
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from ep_image.probes import _backend_detect, _facts, _supervise
-from ep_image.probes._report import Status, Step, StepFailed, timed_step
-from ep_image.probes.check_ep import checks as kernel_checks
+from ep_image.probes import _backend_detect, _supervise
+from ep_image.probes._report import Status, Step, timed_step
+from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.checks.backward import step_backward
+from ep_image.probes.check_ep.checks.bandwidth import step_bandwidth
+from ep_image.probes.check_ep.checks.context import prepare_checks
+from ep_image.probes.check_ep.checks.dispatch_combine import step_dispatch_combine
+from ep_image.probes.check_ep.checks.replay import step_replay
+from ep_image.probes.check_ep.checks.scenarios import step_scenarios
+from ep_image.probes.check_ep.gates import step_buffer, step_import, step_prerequisites
 from ep_image.probes.check_ep.ranks import Runtime, agree
-
-if TYPE_CHECKING:
-    from ep_image.probes.check_ep import Selection
-    from ep_image.probes.check_ep.adapters import EPBackend, Shape
-
-STEP_NAMES = (
-    "import",
-    "prerequisites",
-    "buffer",
-    "dispatch_combine",
-    "backward",
-    "replay",
-    "scenarios",
-    "bandwidth",
-)
-
-
-def not_run(name: str, gate: Step) -> Step:
-    return Step(name, Status.NOT_RUN, detail=f"not run: {gate.name} ended '{gate.status.value}'")
+from ep_image.probes.check_ep.types import STEP_NAMES, Options, Selection, Shape, not_run
 
 
 def begin(name: str, steps: list[Step]) -> None:
@@ -58,7 +43,7 @@ def guarded(name: str, check: Callable[[], Step]) -> Step:
 
 
 def run_steps(
-    rt: Runtime, sel: Selection, backend: EPBackend, shape: Shape, args: argparse.Namespace
+    rt: Runtime, sel: Selection, backend: EPBackend, shape: Shape, options: Options
 ) -> list[Step]:
     steps: list[Step] = []
 
@@ -80,18 +65,18 @@ def run_steps(
         return steps
     begin("dispatch_combine", steps)
     with timed_step("dispatch_combine") as prep:
-        ctx = kernel_checks.prepare_checks(rt, shape, args)
+        ctx = prepare_checks(rt, shape, options)
     if prep.status != Status.PASS:
         prep.detail = "preparing the reference failed: " + prep.detail
         steps.append(agree(rt, prep))
         steps.extend(not_run(n, steps[-1]) for n in STEP_NAMES[len(steps) :])
         return steps
     checks: list[tuple[str, Callable[[], Step]]] = [
-        ("dispatch_combine", lambda: kernel_checks.step_dispatch_combine(rt, backend, ctx)),
-        ("backward", lambda: kernel_checks.step_backward(rt, backend, ctx, args.seed)),
-        ("replay", lambda: kernel_checks.step_replay(rt, backend, ctx, args.replays)),
-        ("scenarios", lambda: kernel_checks.step_scenarios(rt, backend, ctx, args)),
-        ("bandwidth", lambda: kernel_checks.step_bandwidth(rt, backend, ctx, args)),
+        ("dispatch_combine", lambda: step_dispatch_combine(rt, backend, ctx)),
+        ("backward", lambda: step_backward(rt, backend, ctx, options.seed)),
+        ("replay", lambda: step_replay(rt, backend, ctx, options.replays)),
+        ("scenarios", lambda: step_scenarios(rt, backend, ctx, options)),
+        ("bandwidth", lambda: step_bandwidth(rt, backend, ctx, options)),
     ]
     for name, check in checks:
         begin(name, steps)
@@ -103,291 +88,3 @@ def run_steps(
             steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
             break
     return steps
-
-
-# ------------------------------------------------------------------------------------------
-# The gates
-# ------------------------------------------------------------------------------------------
-
-
-def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
-    """Find, trial-import (in a child process) and import the backend; report its identity."""
-    import torch
-
-    with timed_step("import") as step:
-        data: dict[str, Any] = {"backend": sel.name, "how": sel.how}
-        data["torch"] = torch.__version__
-        data["torch_cuda"] = torch.version.cuda
-        cuda_major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
-        data["cuda_major"] = cuda_major
-        inst = sel.installed
-        if inst is not None and inst.module_dir is not None and sel.name != "torch":
-            data.update(
-                module_dir=inst.module_dir,
-                distribution=inst.distribution,
-                version=inst.version,
-                commit=inst.commit,
-                commit_source=inst.commit_source,
-                upstream=inst.upstream,
-                build_info=inst.build_info,
-            )
-            expected_major = inst.build_info.get("EXPECTED_CUDA_MAJOR")
-            if (
-                expected_major is not None
-                and cuda_major is not None
-                and expected_major != cuda_major
-            ):
-                raise StepFailed(
-                    Status.ERROR,
-                    f"{inst.distribution} {inst.version} is built for CUDA {expected_major}, "
-                    f"torch uses CUDA {cuda_major}",
-                    "install the torch build for the backend's CUDA (cu130 for the pinned wheels)",
-                    data,
-                )
-            if rt.env.local_rank == 0:
-                trial = _backend_detect.trial_import(timeout=rt.timeout * 0.8)
-                if not trial.ok:
-                    status, detail, hint = _backend_detect.classify_import_failure(
-                        sel.name, trial.output, trial.returncode, torch.cuda.is_available()
-                    )
-                    data["import_output_tail"] = trial.output[-2000:]
-                    raise StepFailed(status, detail, hint, data)
-        step.data = data
-    merged = agree(rt, step)
-    if merged.status != Status.PASS:
-        return merged
-
-    # Every rank imports in-process only after the trial import passed everywhere.
-    with timed_step("import") as step:
-        step.data = dict(merged.data)
-        step.data.pop("ranks", None)
-        step.data.update(backend.load())
-        step.detail = _import_detail(sel, step.data)
-    return agree(rt, step)
-
-
-def _import_detail(sel: Selection, data: dict[str, Any]) -> str:
-    if sel.name == "torch":
-        return f"built-in all_gather reference backend; torch {data['torch']}"
-    if sel.custom:
-        return f"{sel.how}; torch {data['torch']}"
-    parts = [f"{data.get('distribution')} {data.get('version')}"]
-    if data.get("commit"):
-        parts.append(f"commit {data['commit']}")
-    elif data.get("commit_source"):
-        parts.append(f"commit {data['commit_source']}")
-    if data.get("upstream"):
-        parts.append(f"from {data['upstream']}")
-    parts.append(f"at {data.get('module_path') or data.get('module_dir')}")
-    if data.get("build_info"):
-        parts.append("build " + ", ".join(f"{k}={v}" for k, v in data["build_info"].items()))
-    parts.append(f"CUDA {data.get('torch_cuda')}")
-    if "jit_cache_dir" in data:
-        files = data["jit_cache_files_before"]
-        parts.append(
-            f"JIT cache {data['jit_cache_dir']} "
-            + (f"({files} files: reused)" if files else "(empty: the first dispatch compiles)")
-        )
-        parts.append(f"NCCL GIN {data['gin']}")
-    return "; ".join(parts)
-
-
-Problems = list[tuple[Status, str, str]]
-
-
-def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
-    """GPU placement, world size, CUDA home + nvcc for JIT backends, NCCL and NVSHMEM.
-
-    Every fact is gathered first, so the report shows all of them even when one problem
-    ends the step; the most severe problem decides its status.
-    """
-    with timed_step("prerequisites") as step:
-        data: dict[str, Any] = {"world_size": rt.env.world, "nodes": rt.env.nodes}
-        notes: list[str] = []
-        problems: Problems = []
-        _check_gpus(rt, backend, data, notes, problems)
-        why_not = backend.unsupported(rt.env.world, rt.env.local_world)
-        if why_not is not None:
-            where = f"{rt.env.world} rank(s)"
-            if rt.env.nodes > 1:
-                where += f" on {rt.env.nodes} nodes x {rt.env.local_world}"
-            problems.append((Status.SKIP, f"{backend.name} cannot run on {where}", why_not))
-        if backend.jit_compiles:
-            _check_cuda_home(backend, data, notes, problems)
-        _check_nccl(rt, backend, data, notes, problems)
-        _report_nvshmem(backend, data, notes)
-        _report_cxx_runtime(backend, data, notes)
-        step.data = data
-        step.detail = "; ".join(notes)
-        if problems:
-            status, detail, hint = max(problems, key=lambda p: p[0].severity)
-            raise StepFailed(status, detail + " (" + step.detail + ")", hint, data)
-    return agree(rt, step)
-
-
-def _check_gpus(
-    rt: Runtime, backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
-) -> None:
-    import torch
-
-    place = rt.placement
-    data["gpus_visible"] = place.gpus
-    data["ranks_per_gpu"] = place.ranks_per_gpu
-    data["shared_gpu"] = place.shared
-    if place.problem is not None:
-        problems.append((Status.SKIP, *place.problem))
-        return
-    if not (backend.requires_gpu or rt.use_gpu):
-        notes.append("CPU over gloo (no GPU needed)")
-        return
-    if place.gpus == 0:
-        problems.append(
-            (
-                Status.SKIP,
-                f"{backend.name} needs a GPU and none is visible",
-                "no GPU visible: run on a GPU node or pass --backend torch",
-            )
-        )
-        notes.append("no GPU")
-        return
-    data["gpu"] = torch.cuda.get_device_name(rt.device)
-    data["device"] = str(rt.device)
-    text = f"{place.gpus}x {data['gpu']}"
-    if place.shared:
-        text += (
-            f"; {rt.env.local_world} local ranks share them ({place.ranks_per_gpu}/GPU max, "
-            f"{place.group_backend} group): functional check, bandwidth is not a link figure"
-        )
-    notes.append(text)
-
-
-def _check_cuda_home(
-    backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
-) -> None:
-    home, how = _facts.cuda_home()
-    nvcc, nvcc_ver = _facts.nvcc_version(home)
-    data.update(cuda_home=home, cuda_home_from=how, nvcc=nvcc, nvcc_version=nvcc_ver)
-    why = f"{backend.name} JIT-compiles its kernels at run time"
-    if home is None or nvcc is None:
-        problems.append(
-            (
-                Status.ERROR,
-                f"CUDA home {'not found' if home is None else home + ' has no nvcc'}",
-                f"CUDA home not found: set CUDA_HOME to a CUDA 13 toolkit with nvcc; {why}",
-            )
-        )
-        notes.append("no CUDA home/nvcc")
-        return
-    if not (Path(home) / "include" / "cuda_runtime.h").is_file():
-        problems.append(
-            (
-                Status.ERROR,
-                f"CUDA home {home} ({how}) has no include/cuda_runtime.h",
-                "set CUDA_HOME to the CUDA 13 toolkit root (the directory holding bin/nvcc "
-                f"and include/); {why}",
-            )
-        )
-    notes.append(f"CUDA home {home} (nvcc {nvcc_ver})")
-
-
-def _check_nccl(
-    rt: Runtime, backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
-) -> None:
-    nccl = _facts.torch_facts()["nccl"] if rt.use_gpu else None
-    nccl_dist = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
-    data["nccl"] = nccl
-    data["nccl_dist"] = f"{nccl_dist[0]} {nccl_dist[1]}" if nccl_dist else None
-    data["nccl_mapped"] = _facts.mapped_libraries(r"^libnccl")
-    if nccl:
-        notes.append(f"NCCL {nccl}")
-    if backend.min_nccl is not None and _facts.version_at_least(nccl, backend.min_nccl) is False:
-        need = ".".join(map(str, backend.min_nccl))
-        problems.append(
-            (
-                Status.ERROR,
-                f"NCCL {nccl} loaded, {backend.name} needs >= {need}",
-                _backend_detect.NCCL_FIX,
-            )
-        )
-
-
-def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) -> None:
-    """NVSHMEM is reported, not required: the intranode paths checked here do not use it.
-
-    DeepEP v1 (and the hybrid-ep branch's v1 kernels) silently build without NVSHMEM when
-    neither NVSHMEM_DIR nor the nvidia-nvshmem wheel was there at build time, which disables
-    their internode and low-latency kernels; whether the extension links libnvshmem_host
-    tells which build this is.
-    """
-    nvshmem = _facts.dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
-    data["nvshmem_dist"] = f"{nvshmem[0]} {nvshmem[1]}" if nvshmem else None
-    data["nvshmem_dir"] = os.environ.get("NVSHMEM_DIR")
-    data["nvshmem_mapped"] = _facts.mapped_libraries(r"^libnvshmem")
-    if not backend.requires_gpu:
-        return
-    found = nvshmem[1] if nvshmem else data["nvshmem_dir"]
-    text = f"NVSHMEM {found}" if found else "NVSHMEM not found"
-    links = (
-        backend.name in _backend_detect.BACKEND_NAMES
-        and _backend_detect.registry.spec(backend.name).links_nvshmem
-    )
-    extension = _facts.extension_path("deep_ep_cpp") if links else None
-    if extension:
-        linked = _facts.file_contains(extension, b"libnvshmem_host")
-        data["nvshmem_linked_by"] = extension if linked else None
-        text += (
-            ", linked by deep_ep_cpp"
-            if linked
-            else ", not linked by deep_ep_cpp (built without it: internode and low-latency "
-            "kernels disabled)"
-        )
-    notes.append(text)
-
-
-#: Compiled extension modules the backends ship, top-level or inside ``deep_ep``.
-_EXTENSIONS = ("deep_ep_cpp", "hybrid_ep_cpp", "deep_ep._C")
-
-
-def _report_cxx_runtime(backend: EPBackend, data: dict[str, Any], notes: list[str]) -> None:
-    """Name extensions that carry their own libstdc++ (a known cause of native crashes)."""
-    if not backend.requires_gpu:
-        return
-    static = [
-        path
-        for path in filter(None, (_facts.extension_path(name) for name in _EXTENSIONS))
-        if _facts.static_cxx_runtime(path)
-    ]
-    data["static_libstdcxx"] = static
-    if static:
-        notes.append(
-            f"{', '.join(Path(p).name for p in static)} carries its own libstdc++ (built with "
-            "-static-libstdc++): a second C++ runtime beside torch's; rebuild with the system "
-            "g++ if it crashes"
-        )
-
-
-def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:
-    """Construct the backend's buffer on the EP group."""
-    import torch.distributed as dist
-
-    with timed_step("buffer") as step:
-        kernel_checks.sync(rt)
-        dist.barrier(group=rt.ctrl_group)
-        backend.create(rt.ep_group, shape)
-        kernel_checks.sync(rt)
-        local = shape.local_experts(rt.env.world)
-        step.detail = (
-            f"{type(backend).__name__} on {rt.env.world} rank(s): {shape.tokens} tokens/rank, "
-            f"hidden {shape.hidden}, {shape.experts} experts ({local}/rank), top-{shape.topk}"
-        )
-        for attr in ("num_nvl_bytes", "num_rdma_bytes"):
-            if hasattr(backend, attr):
-                step.data[attr] = getattr(backend, attr)
-        facts = backend.facts()
-        step.data.update(facts)
-        if "jit_cache_state" in facts:
-            step.detail += (
-                f"; JIT cache {facts.get('jit_cache_dir')} {facts['jit_cache_state']}, "
-                f"{facts.get('jit_cache_files_before', 0)} kernel(s) before"
-            )
-    return agree(rt, step)
