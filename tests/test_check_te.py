@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import run_probe_in
+from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 
 from ep_image.probes import _facts, check_te
 from ep_image.probes._report import Status
@@ -100,8 +100,12 @@ def test_bad_usage_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
     proc, report = run_probe(tmp_path, *args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("check_te: error: ") and phrase in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("check_te: usage error: ") and phrase in lines[0]
     assert report is None
+
+
+def test_an_unwritable_report_path_is_bad_usage(tmp_path: Path) -> None:
+    assert_unwritable_report_is_bad_usage(tmp_path, "check_te")
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,18 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from ep_image import cli
 from ep_image.probes import _facts, _venv_record
 from ep_image.probes._report import (
-    EXIT_USAGE,
-    ProbeArgumentParser,
     Status,
     Step,
     StepFailed,
-    UsageError,
     build_report,
     exit_code_of,
     one_line,
@@ -45,8 +43,8 @@ INSTALL_HINT = (
 )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = ProbeArgumentParser(
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
         prog="check_te.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
@@ -74,17 +72,15 @@ exit codes:
         "--features", type=int, default=1024, help="Linear in/out features (default: 1024)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
-    parser.add_argument(
-        "--require",
-        action="store_true",
-        help="treat 'cannot run here' (exit 5) as a failure (exit 1): for CI on GPU runners",
+    parser.add_json()
+    parser.add_require(
+        "treat 'cannot run here' (exit 5) as a failure (exit 1): for CI on GPU runners"
     )
     args = parser.parse_args(argv)
     for name in ("batch", "seq", "heads", "head_dim", "features"):
         if getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
+            raise cli.UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
     return args
 
 
@@ -430,11 +426,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except UsageError as exc:
-        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":
