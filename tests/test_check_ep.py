@@ -617,7 +617,7 @@ def test_hybridep_routing_map_conversion() -> None:
     """The HybridEP adapter's map -> top-k conversion (pure torch, so it is testable here)."""
     import torch
 
-    from ep_image.probes.check_ep.adapters.hybridep import _routing_map_to_topk
+    from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import _routing_map_to_topk
 
     routing = torch.tensor([[True, False, True], [False, False, True], [False, False, False]])
     probs = torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.75], [0.0, 0.0, 0.0]])
@@ -643,7 +643,7 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     report says where, whether it was warm, and whether GIN was turned off (measured on the
     H200: 36 s cold, 21 s warm, docs/probe-results.md)."""
     from ep_image.probes.check_ep import gates
-    from ep_image.probes.check_ep.adapters.deepep_v2 import jit_cache_facts
+    from ep_image.probes.check_ep.adapters.elastic_buffer import jit_cache_facts
 
     cache = tmp_path / "jit"
     (cache / "kernels").mkdir(parents=True)

@@ -15,9 +15,9 @@ from pathlib import Path
 from ep_image import backends as registry
 from ep_image.cli import UsageError
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.deepep_v1 import DeepEPv1Backend
-from ep_image.probes.check_ep.adapters.deepep_v2 import DeepEPv2Backend
-from ep_image.probes.check_ep.adapters.hybridep import HybridEPBackend
+from ep_image.probes.check_ep.adapters.buffer import DeepEPv1Backend
+from ep_image.probes.check_ep.adapters.elastic_buffer import DeepEPv2Backend
+from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import HybridEPBackend
 from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend
 
 #: The adapter of each ``deep_ep`` API (``BackendSpec.api``): the adapters know APIs, the

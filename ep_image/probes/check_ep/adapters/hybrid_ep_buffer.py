@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ep_image import hybridep_jit
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.deepep_common import (
+from ep_image.probes.check_ep.adapters.deep_ep_common import (
     RowsHandle,
     import_deep_ep,
     module_facts,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.deepep_common import import_deep_ep, module_facts
+from ep_image.probes.check_ep.adapters.deep_ep_common import import_deep_ep, module_facts
 from ep_image.probes.check_ep.types import Dispatched, Shape
 
 
