@@ -106,9 +106,36 @@ def run_probe_in(
     return ProbeRun(proc, data)
 
 
+def assert_unwritable_report_is_bad_usage(tmp_path: Path, probe: str, *args: str) -> None:
+    """``--json`` that cannot be written is bad usage, found when the flags are parsed: one
+    line and exit 2 before any work (no table, no report), never a verdict lost at the end.
+    Both paths fail for root too: a directory under a file, and a directory itself."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for path, phrase in (
+        (blocker / "report.json", "cannot make the directory"),
+        (tmp_path, "is a directory"),
+    ):
+        cmd = [sys.executable, "-m", f"ep_image.probes.{probe}", *args, "--json", str(path)]
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(clean_env()),
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"{probe}: usage error: argument --json: "), lines[0]
+        assert phrase in lines[0] and "Traceback" not in proc.stderr
+        assert proc.stdout == "", proc.stdout
+
+
 @pytest.fixture
 def check_ep(tmp_path: Path):
-    """Run check_ep.py: ``check_ep(*args, nproc=N, torchrun=N, env=..., timeout=...)``.
+    """Run check_ep: ``check_ep(*args, nproc=N, torchrun=N, env=..., timeout=...)``.
 
     ``nproc`` uses the probe's own ``--nproc-per-node``; ``torchrun`` starts the ranks with
     the real ``torchrun`` command instead.

@@ -152,14 +152,14 @@ def test_symbol_origin(symbol: str, origin: str) -> None:
 
 def test_check_ep_says_built_against_another_torch_not_reinstall() -> None:
     """The loader's message for the real failure (seen on the H200 with torch 2.14.1)."""
-    from ep_image.probes import _ep_detect
+    from ep_image.probes import _backend_detect
     from ep_image.probes._report import Status
 
     output = (
         "ImportError: /venv/lib/python3.12/site-packages/deep_ep_cpp.cpython-312-x86_64-linux-"
         f"gnu.so: undefined symbol: {COW}"
     )
-    status, detail, hint = _ep_detect.classify_import_failure("deepep_v1", output, 1, True)
+    status, detail, hint = _backend_detect.classify_import_failure("deepep_v1", output, 1, True)
     assert status == Status.ERROR and COW in detail
     assert "built against another torch" in hint and "cannot help" in hint
 

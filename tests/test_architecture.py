@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -39,6 +41,58 @@ def imports(path: Path) -> list[str]:
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
+MODULE_NAMES = {module_name(p): p for p in MODULES}
+
+
+def imported_modules(source: str) -> dict[str, set[str]]:
+    """The ep_image modules ``source`` imports, each with the names it takes from it: at module
+    level, in a ``TYPE_CHECKING`` block or inside a function alike (a function-level import that
+    only hides a circle is still one). Each import is resolved to the module it loads: ``from
+    a.b import c`` is ``a.b.c`` where that is a module, else ``a.b``."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                target, name = (sub, "*") if sub in MODULE_NAMES else (node.module, alias.name)
+                found.setdefault(target, set()).add(name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                found.setdefault(alias.name, set()).add("*")
+    return {m: names for m, names in found.items() if m in MODULE_NAMES}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> modules it imports): each strongly connected
+    set of two or more modules, or a module that imports itself (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1 or node in graph.get(node, ()):
+                circles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -56,6 +110,57 @@ def test_nothing_edits_sys_path(path: Path) -> None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             target = ast.unparse(node.func.value)
             assert target != "sys.path", f"{path.relative_to(ROOT)}:{node.lineno}: sys.path edit"
+
+
+def test_no_import_circle_among_ep_image_modules() -> None:
+    """Imports among ep_image's modules form no circle: each part stands above what it imports
+    (check_ep's shared types on its ground floor, ``check_ep/types.py``), so the order in which
+    modules load never decides whether a name exists yet."""
+    imports_of = {name: imported_modules(path.read_text()) for name, path in MODULE_NAMES.items()}
+    graph = {name: set(targets) for name, targets in imports_of.items()}
+    found = []
+    for circle in import_circles(graph):
+        ties = [
+            f"{a} -> {b}: {', '.join(sorted(imports_of[a][b]))}"
+            for a in circle
+            for b in circle
+            if b in imports_of[a]
+        ]
+        found.append("circle of " + ", ".join(circle) + "\n    " + "\n    ".join(ties))
+    assert not found, "\n".join(found)
+
+
+def test_the_circle_test_sees_function_level_imports_and_circles(tmp_path: Path) -> None:
+    """Guards the two halves of the test above on a made-up graph and source."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from ep_image.probes import _report\n"
+        "if TYPE_CHECKING:\n    from ep_image.probes.check_ep.types import Shape\n"
+        "def f():\n    from ep_image.probes.check_ep.steps import run_steps\n"
+        "    import ep_image.cli\n"
+    )
+    assert imported_modules(source) == {
+        "ep_image.probes._report": {"*"},
+        "ep_image.probes.check_ep.types": {"Shape"},
+        "ep_image.probes.check_ep.steps": {"run_steps"},
+        "ep_image.cli": {"*"},
+    }
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"a"}}
+    assert import_circles(graph) == [["a", "b", "c"], ["e"]]
+
+
+def test_importing_check_ep_loads_no_torch() -> None:
+    """The check-ep entry point imports the package: it must answer --help, bad usage and a
+    missing backend without loading torch (the worker imports torch, and what needs it)."""
+    code = (
+        "import sys, ep_image.probes.check_ep as probe\n"
+        "assert callable(probe.main)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_layout_test_sees_every_room() -> None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_probe_in
+from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 from fake_installs import fake_deep_ep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,8 +193,12 @@ def test_nothing_optional_present_still_exits_0(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_an_unwritable_report_path_is_bad_usage(tmp_path: Path) -> None:
+    assert_unwritable_report_is_bad_usage(tmp_path, "check_env")
+
+
 def test_bad_usage_exit_2(tmp_path: Path) -> None:
     proc, m = run_env(tmp_path, "--nope")
     assert proc.returncode == 2 and m is None
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("check_env: error: unrecognized arguments")
+    assert len(lines) == 1 and lines[0].startswith("check_env: usage error: unrecognized arguments")

@@ -1,4 +1,4 @@
-"""check_ep.py on real process groups: gloo over 1, 2 and 4 CPU processes.
+"""check_ep on real process groups: gloo over 1, 2 and 4 CPU processes.
 
 Why these tests: the probe is what tells a GPU image "works" from "imports", so it must catch
 real failure shapes. Every check runs here against the torch reference backend on a genuine
@@ -17,13 +17,15 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import BROKEN, ROOT, clean_env, run_probe_in
+from conftest import BROKEN, ROOT, assert_unwritable_report_is_bad_usage, clean_env, run_probe_in
 from fake_installs import fake_deep_ep
 
 from ep_image import backends
-from ep_image.probes import _ep_detect, check_ep
-from ep_image.probes._ep_scenarios import NAMES as SCENARIOS
+from ep_image.probes import _backend_detect
 from ep_image.probes._report import Status
+from ep_image.probes.check_ep.layer import CPU_DEFAULTS
+from ep_image.probes.check_ep.scenarios.catalogue import NAMES as SCENARIOS
+from ep_image.probes.check_ep.types import STEP_NAMES
 
 PROBE = "ep_image.probes.check_ep"
 
@@ -71,7 +73,7 @@ def assert_all_passed(report: dict, world: int, tokens: int, experts: int, topk:
     assert report["exit_code"] == 0, report
     assert report["result"] == "passed"
     assert report["world_size"] == world
-    assert list(statuses(report)) == list(check_ep.STEP_NAMES)
+    assert list(statuses(report)) == list(STEP_NAMES)
     assert set(statuses(report).values()) == {"pass"}, statuses(report)
     for s in report["steps"]:
         assert s["seconds"] >= 0 and isinstance(s["detail"], str) and s["detail"]
@@ -108,7 +110,7 @@ def assert_all_passed(report: dict, world: int, tokens: int, experts: int, topk:
 def test_torch_backend_passes_in_a_plain_process(tmp_path: Path) -> None:
     proc, report = run_probe(tmp_path, "--backend", "torch", *QUICK)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    d = check_ep.CPU_DEFAULTS
+    d = CPU_DEFAULTS
     assert_all_passed(report, 1, d["tokens"], d["experts"], d["topk"])
     assert report["dtype"] == "float32" and report["numbers"]["tolerance"] == 0.0
     # The human table, DeepEP-test style, on stdout.
@@ -214,7 +216,7 @@ def test_backend_that_segfaults_is_reported_not_inherited(tmp_path: Path, world:
     s = statuses(report)
     assert s["import"] == s["prerequisites"] == "pass"
     assert s["buffer"] == "error"
-    assert all(s[n] == "not run" for n in check_ep.STEP_NAMES[3:])
+    assert all(s[n] == "not run" for n in STEP_NAMES[3:])
     detail = step(report, "buffer")["detail"]
     assert "died with SIGSEGV during buffer" in detail
     assert "broken_backends.py" in detail and "in create" in detail
@@ -249,7 +251,7 @@ def test_gpu_only_backend_without_gpu_is_skipped(tmp_path: Path) -> None:
     assert pre["hint"] == "no GPU visible: run on a GPU node or pass --backend torch"
     assert report["result"] == "skipped"
     # The header names the device and the shape this run actually has, not the GPU default.
-    d = check_ep.CPU_DEFAULTS
+    d = CPU_DEFAULTS
     assert report["device"] == "cpu" and report["shape"] == d
     assert f"tokens/rank {d['tokens']}, hidden {d['hidden']}, experts {d['experts']}" in (
         proc.stdout
@@ -357,7 +359,7 @@ def test_v1_installed_without_gpu_is_skipped(tmp_path: Path) -> None:
         (
             ["--backend-class", f"{BROKEN}:NotABackend"],
             0,
-            "is not a subclass of ep_adapters.EPBackend",
+            "is not a subclass of ep_image.probes.check_ep.adapters.base.EPBackend",
         ),
         (["--backend-class", "no/such/file.py:X"], 0, "file not found"),
         (["--backend", "torch", "--dtype", "float64"], 0, "invalid choice"),
@@ -371,10 +373,17 @@ def test_bad_usage_is_one_line_and_exit_2(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("check_ep: error: ")
+    assert lines[0].startswith("check_ep: usage error: ")
     assert phrase in lines[0]
     assert "Traceback" not in proc.stderr
     assert report is None
+
+
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_an_unwritable_report_path_is_bad_usage_before_any_work(tmp_path: Path, nproc: int) -> None:
+    """Also with --nproc-per-node: the launcher refuses it before any rank starts."""
+    extra = ["--nproc-per-node", str(nproc)] if nproc else []
+    assert_unwritable_report_is_bad_usage(tmp_path, "check_ep", "--backend", "torch", *extra)
 
 
 def test_help_reads_like_documentation() -> None:
@@ -411,7 +420,7 @@ def test_backend_from_layout(tmp_path: Path, markers: list[str], expected: str |
     for marker in markers:
         (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / marker).write_text("")
-    assert _ep_detect.backend_from_layout(tmp_path) == expected
+    assert _backend_detect.backend_from_layout(tmp_path) == expected
 
 
 @pytest.mark.parametrize(
@@ -425,7 +434,7 @@ def test_backend_from_layout(tmp_path: Path, markers: list[str], expected: str |
     ],
 )
 def test_backend_from_distribution(dist: str, version: str, expected: str | None) -> None:
-    assert _ep_detect.backend_from_distribution(dist, version) == expected
+    assert _backend_detect.backend_from_distribution(dist, version) == expected
 
 
 def test_detect_git_built_hybridep_with_commit(
@@ -444,12 +453,12 @@ def test_detect_git_built_hybridep_with_commit(
         )
     )
     monkeypatch.syspath_prepend(str(site))
-    found = _ep_detect.detect_installed()
+    found = _backend_detect.detect_installed()
     assert found.backend == "hybridep"
     assert found.distribution == "deep_ep" and found.version == "1.2.1+e0a5b1d"
     assert found.commit == "e0a5b1d9848ab3e7b4a67842bf06f067bfac67f8"
     (info / "direct_url.json").unlink()
-    assert _ep_detect.detect_installed().commit == "e0a5b1d"  # the +<shortsha> local version
+    assert _backend_detect.detect_installed().commit == "e0a5b1d"  # the +<shortsha> local version
 
 
 @pytest.mark.parametrize(
@@ -511,7 +520,7 @@ def test_detect_git_built_hybridep_with_commit(
 def test_classify_import_failure(
     output: str, code: int, gpu: bool, status: Status, hint_phrase: str
 ) -> None:
-    got, detail, hint = _ep_detect.classify_import_failure("deepep_v2", output, code, gpu)
+    got, detail, hint = _backend_detect.classify_import_failure("deepep_v2", output, code, gpu)
     assert got == status
     assert hint_phrase in hint
     assert "\n" not in detail
@@ -520,14 +529,14 @@ def test_classify_import_failure(
 def test_markers_and_distributions_match_the_build_registry() -> None:
     """The probe's identity rules agree with ep_image/backends/ (one registry, two readers)."""
     registry = backends.load_registry(ROOT)
-    assert tuple(registry) == _ep_detect.BACKEND_NAMES
-    markers = dict(_ep_detect.MARKERS)
+    assert tuple(registry) == _backend_detect.BACKEND_NAMES
+    markers = dict(_backend_detect.MARKERS)
     for name, backend in registry.items():
         assert backend.marker_file == f"deep_ep/{markers[name]}", name
         version = backend.requirement.split("==", 1)[1] if "==" in backend.requirement else "0"
-        by_dist = _ep_detect.backend_from_distribution(backend.distribution, version)
+        by_dist = _backend_detect.backend_from_distribution(backend.distribution, version)
         assert by_dist in (name, None), (name, by_dist)
-        assert backend.distribution in _ep_detect.KNOWN_DISTRIBUTIONS
+        assert backend.distribution in _backend_detect.KNOWN_DISTRIBUTIONS
 
 
 def test_merge_exit_codes() -> None:
@@ -546,13 +555,13 @@ def test_reference_catches_swapped_payload_and_wrong_expert() -> None:
     """check_dispatch, fed by hand: exact input passes, each single fault is named."""
     import torch
 
-    from ep_image.probes._ep_reference import (
+    from ep_image.probes.check_ep.reference import (
         GlobalRouting,
         check_dispatch,
         expected_for_rank,
         make_inputs,
     )
-    from ep_image.probes.ep_adapters import Dispatched, Shape
+    from ep_image.probes.check_ep.types import Dispatched, Shape
 
     cpu = torch.device("cpu")
     shape = Shape(tokens=16, hidden=16, experts=8, topk=2, dtype=torch.float32, device=cpu)
@@ -608,7 +617,7 @@ def test_hybridep_routing_map_conversion() -> None:
     """The HybridEP adapter's map -> top-k conversion (pure torch, so it is testable here)."""
     import torch
 
-    from ep_image.probes.ep_adapters import _routing_map_to_topk
+    from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import _routing_map_to_topk
 
     routing = torch.tensor([[True, False, True], [False, False, True], [False, False, False]])
     probs = torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.75], [0.0, 0.0, 0.0]])
@@ -633,24 +642,23 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     """DeepEP v2 compiles its kernels at first dispatch into EP_JIT_CACHE_DIR (~/.deep_ep): the
     report says where, whether it was warm, and whether GIN was turned off (measured on the
     H200: 36 s cold, 21 s warm, docs/probe-results.md)."""
-    from ep_image.probes import _ep_steps, ep_adapters
+    from ep_image.probes.check_ep import gates
+    from ep_image.probes.check_ep.adapters.elastic_buffer import jit_cache_facts
 
     cache = tmp_path / "jit"
     (cache / "kernels").mkdir(parents=True)
     (cache / "kernels" / "a.cubin").write_bytes(b"x" * 10)
     (cache / "b.so").write_bytes(b"y" * 5)
-    facts = ep_adapters.jit_cache_facts({"EP_JIT_CACHE_DIR": str(cache), "EP_DISABLE_GIN": "1"})
+    facts = jit_cache_facts({"EP_JIT_CACHE_DIR": str(cache), "EP_DISABLE_GIN": "1"})
     assert facts["jit_cache_dir"] == str(cache) and facts["jit_cache_from"] == "EP_JIT_CACHE_DIR"
     assert (facts["jit_cache_files_before"], facts["jit_cache_bytes_before"]) == (2, 15)
     assert facts["gin"].startswith("disabled")
-    default = ep_adapters.jit_cache_facts({"HOME": str(tmp_path)})
+    default = jit_cache_facts({"HOME": str(tmp_path)})
     assert default["jit_cache_dir"].endswith("/.deep_ep") and default["gin"] == "enabled"
     assert default["jit_cache_files_before"] == 0
 
     sel = types.SimpleNamespace(name="deepep_v2", custom=False)
-    detail = _ep_steps._import_detail(
-        sel, {"distribution": "deep-ep", "version": "2.0.0", **default}
-    )
+    detail = gates._import_detail(sel, {"distribution": "deep-ep", "version": "2.0.0", **default})
     assert "(empty: the first dispatch compiles)" in detail and "NCCL GIN enabled" in detail
-    detail = _ep_steps._import_detail(sel, {"distribution": "deep-ep", "version": "2.0.0", **facts})
+    detail = gates._import_detail(sel, {"distribution": "deep-ep", "version": "2.0.0", **facts})
     assert "(2 files: reused)" in detail

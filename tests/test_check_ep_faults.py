@@ -138,7 +138,7 @@ def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
     The probe used to put every rank whose LOCAL_RANK was past the visible GPU count on the
     CPU: here ranks 1-7, which then handed host tensors to a GPU backend.
     """
-    from ep_image.probes._ep_dist import decide_placement
+    from ep_image.probes.check_ep.ranks import decide_placement
 
     views = facts(*[(1, f"GPU-{i}") for i in range(8)])
     for rank in range(8):
@@ -148,7 +148,7 @@ def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
 
 
 def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
-    from ep_image.probes._ep_dist import decide_placement
+    from ep_image.probes.check_ep.ranks import decide_placement
 
     views = facts((1, "GPU-0"), (1, "GPU-0"))
     refused = decide_placement(views, 1, wants_gpu=True, ranks_per_gpu=1)
@@ -163,7 +163,7 @@ def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
 
 
 def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu() -> None:
-    from ep_image.probes._ep_dist import decide_placement
+    from ep_image.probes.check_ep.ranks import decide_placement
 
     views = facts((1, "GPU-0"), (0, None))
     for rank in (0, 1):
@@ -173,7 +173,7 @@ def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu()
 
 
 def test_eight_ranks_on_eight_visible_gpus_are_exclusive() -> None:
-    from ep_image.probes._ep_dist import decide_placement
+    from ep_image.probes.check_ep.ranks import decide_placement
 
     views = [{"rank": r, "host": "n", "gpus": 8, "index": r, "uuid": f"GPU-{r}"} for r in range(8)]
     place = decide_placement(views, 5, wants_gpu=True, ranks_per_gpu=1)

@@ -47,7 +47,7 @@ def scenario_results(run) -> dict[str, dict]:
 def test_a_fault_of_one_scenario_class_fails_that_scenario(
     check_ep, cls: str, world: int, scenario: str, phrase: str
 ) -> None:
-    from ep_image.probes._ep_scenarios import scenario_seed
+    from ep_image.probes.check_ep.scenarios.catalogue import scenario_seed
 
     run = check_ep(*backend(cls), *SMALL, *QUICK, nproc=world if world > 1 else 0)
     assert run.proc.returncode == 1, run.output
@@ -183,7 +183,7 @@ def test_a_crash_in_a_scenario_names_the_scenario_and_the_call(check_ep) -> None
 
 
 def test_scenario_names_parse() -> None:
-    from ep_image.probes._ep_scenarios import NAMES, parse
+    from ep_image.probes.check_ep.scenarios.catalogue import NAMES, parse
 
     assert parse("all") == list(NAMES) == list(ALL)
     assert parse("none") == []
@@ -198,7 +198,7 @@ def test_scenario_names_parse() -> None:
 
 
 def _shape(tokens: int, hidden: int, experts: int, topk: int, dtype=torch.bfloat16):
-    from ep_image.probes.ep_adapters import Shape
+    from ep_image.probes.check_ep.types import Shape
 
     return Shape(tokens, hidden, experts, topk, dtype, torch.device("cpu"))
 
@@ -207,7 +207,7 @@ def _shape(tokens: int, hidden: int, experts: int, topk: int, dtype=torch.bfloat
 def test_combined_tokens_are_exact_in_bf16_in_any_order(experts: int, topk: int, world: int):
     """Each rank's expert output rounded to bf16, summed in bf16 in a random order of ranks,
     equals the reference exactly: why the probe's bound is 0 (DeepEP's approach)."""
-    from ep_image.probes import _ep_reference as ref
+    from ep_image.probes.check_ep import reference as ref
 
     shape = _shape(256, 64, experts, topk)
     assert ref.exact(topk) and ref.tolerance_for(torch.bfloat16, topk) == 0.0
@@ -230,8 +230,9 @@ def test_combined_tokens_are_exact_in_bf16_in_any_order(experts: int, topk: int,
 
 
 def test_the_scenario_generators_make_what_they_promise() -> None:
-    from ep_image.probes import _ep_reference as ref
-    from ep_image.probes._ep_scenarios import BY_NAME, dropped_routing, skewed_routing, tokens_of
+    from ep_image.probes.check_ep import reference as ref
+    from ep_image.probes.check_ep.scenarios.catalogue import BY_NAME, tokens_of
+    from ep_image.probes.check_ep.scenarios.routing import dropped_routing, skewed_routing
 
     experts, topk, world, tokens = 32, 4, 4, 64
     gen = torch.Generator().manual_seed(0)
@@ -254,7 +255,7 @@ def test_the_scenario_generators_make_what_they_promise() -> None:
 
 
 def test_the_output_contract_names_dtype_shape_and_layout() -> None:
-    from ep_image.probes._ep_reference import tensor_contract
+    from ep_image.probes.check_ep.reference import tensor_contract
 
     good = torch.zeros(4, 8, dtype=torch.bfloat16)
     cpu = torch.device("cpu")
@@ -275,7 +276,10 @@ def test_the_output_contract_names_dtype_shape_and_layout() -> None:
 def test_hybridep_gets_dropped_slots_as_a_routing_map() -> None:
     """HybridEP's index API scatters topk_idx (-1 out of range); the adapter passes the
     routing map its dispatch also takes, equal to HybridEP's own indices_to_map elsewhere."""
-    from ep_image.probes.ep_adapters import HybridEPBackend, _topk_to_routing_map
+    from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import (
+        HybridEPBackend,
+        _topk_to_routing_map,
+    )
 
     idx = torch.tensor([[0, 3], [-1, 2], [-1, -1]])
     w = torch.tensor([[0.25, 0.5], [0.75, 1.0], [0.5, 0.5]])

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_probe_in
+from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 from fake_installs import fake_deep_ep
 from fake_sysfs import PROPRIETARY_BANNER, Nic, build_node, dgx_like
 
@@ -383,15 +383,20 @@ def test_rdma_without_nvidia_driver_cannot_run(tmp_path: Path, verbs_libs: dict[
     assert report["verdict"] == "internode EP cannot run here: no NVIDIA kernel driver loaded"
 
 
+def test_an_unwritable_report_path_is_bad_usage(tmp_path: Path) -> None:
+    assert_unwritable_report_is_bad_usage(tmp_path, "check_fabric")
+
+
 def test_bad_usage_is_one_line_exit_2(tmp_path: Path) -> None:
     proc, report = run_fabric(tmp_path, "--root", str(tmp_path / "absent"))
     assert proc.returncode == 2 and report is None
     assert (
-        proc.stderr.strip() == f"check_fabric: error: --root {tmp_path / 'absent'}: not a directory"
+        proc.stderr.strip()
+        == f"check_fabric: usage error: --root {tmp_path / 'absent'}: not a directory"
     )
     proc, _ = run_fabric(tmp_path, "--nope")
     assert proc.returncode == 2
-    assert proc.stderr.startswith("check_fabric: error: unrecognized arguments: --nope")
+    assert proc.stderr.startswith("check_fabric: usage error: unrecognized arguments: --nope")
 
 
 def test_help_reads_like_the_docs() -> None:

@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import run_probe_in
+from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 
 from ep_image.probes import _facts, check_te
 from ep_image.probes._report import Status
@@ -63,7 +63,7 @@ def test_missing_te_exits_4_cleanly(tmp_path: Path) -> None:
     assert list(steps) == list(check_te.STEP_NAMES)
     assert steps["import"]["status"] == "missing"
     assert "transformer_engine is not installed" in steps["import"]["detail"]
-    assert "python3 -m ep_image.build.build_te" in steps["import"]["hint"]
+    assert "python3 scripts/build_te.py" in steps["import"]["hint"]
     assert all(steps[n]["status"] == "not run" for n in check_te.STEP_NAMES[1:])
     assert report["exit_code"] == 4 and report["result"] == "missing"
     assert "result: missing (exit 4)" in proc.stdout
@@ -100,8 +100,12 @@ def test_bad_usage_exit_2(tmp_path: Path, args: list[str], phrase: str) -> None:
     proc, report = run_probe(tmp_path, *args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("check_te: error: ") and phrase in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("check_te: usage error: ") and phrase in lines[0]
     assert report is None
+
+
+def test_an_unwritable_report_path_is_bad_usage(tmp_path: Path) -> None:
+    assert_unwritable_report_is_bad_usage(tmp_path, "check_te")
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,7 +224,7 @@ def test_cudnn_mismatch_fails_naming_both_and_the_winner(real_loaded: dict) -> N
     assert "built against cuDNN 9.20.0" in detail
     assert f"cuDNN {real_loaded['version']} is loaded" in detail
     assert real_loaded["path"] in detail
-    assert "/opt/venvs/moe/nvidia/cudnn/lib" in hint and "ep_image.build.build_te" in hint
+    assert "/opt/venvs/moe/nvidia/cudnn/lib" in hint and "scripts/build_te.py" in hint
 
 
 def test_cudnn_without_build_record_is_reported_not_failed(real_loaded: dict) -> None:
@@ -292,7 +296,7 @@ def test_te_exception_is_unusable_with_the_cudnn_fix() -> None:
         raise RuntimeError(seen)
     assert caught.value.status == Status.ERROR
     assert caught.value.detail.startswith("fused attention backward raised RuntimeError: ")
-    assert "python3 -m ep_image.build.build_te" in caught.value.hint
+    assert "python3 scripts/build_te.py" in caught.value.hint
     with pytest.raises(check_te.StepFailed) as caught, check_te._te_call("te.Linear forward"):
         raise ValueError("shape mismatch")
     assert caught.value.hint == ""

@@ -32,7 +32,7 @@ The CI profile, and what it leaves out (printed by the tests as well):
 - The real DeepEP v1 and HybridEP are not built (their git source needs GitHub and an hour of
   nvcc): VENV_SKIP_PACKAGES also leaves out `deep-ep`, so the deepep_v1 venv holds everything
   but its own distribution; the stand-in proves the build path around them.
-- No GPU: deep_ep is not imported (it needs the driver); check_ep.py on a GPU does that.
+- No GPU: deep_ep is not imported (it needs the driver); check_ep on a GPU does that.
 
 The base image is Debian bookworm (debootstrap minbase + python3, python3-venv, ca-certificates,
 git) plus the stand-in base-image cuDNN; its root filesystem tarball is cached in

@@ -1,4 +1,4 @@
-"""check_ep.py across two torchrun agents ("nodes") on this machine: gloo, the torch backend.
+"""check_ep across two torchrun agents ("nodes") on this machine: gloo, the torch backend.
 
 Why these tests: a multi-node EP job is one torchrun agent per node, each starting its local
 ranks, meeting at a rendezvous on the first node. No machine here has two nodes, but the

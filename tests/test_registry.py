@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ep_image import backends
-from ep_image.probes import _ep_detect
+from ep_image.probes import _backend_detect
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,16 +68,16 @@ def test_active_backend_rule() -> None:
 
 
 def test_the_probe_reads_the_registry() -> None:
-    """_ep_detect keeps the detection logic; its tables are the registry's, not copies."""
-    assert _ep_detect.BACKEND_NAMES is backends.BACKEND_NAMES
-    assert backends.layout_markers() == _ep_detect.MARKERS
-    assert dict(_ep_detect.MARKERS)["hybridep"] == "hybrid_ep_buffer.py"
-    assert _ep_detect.MARKERS[0][0] == "hybridep", "the hybrid-ep layout also ships buffer.py"
-    assert _ep_detect.backend_from_distribution("tokenspeed-deepep", "2.1.0") == "deepep_v2"
-    assert _ep_detect.backend_from_distribution("tokenspeed_deepep", "1.2.1") == "deepep_v1"
-    assert _ep_detect.backend_from_distribution("deep-ep", "1.2.1") is None
+    """_backend_detect keeps the detection logic; its tables are the registry's, not copies."""
+    assert _backend_detect.BACKEND_NAMES is backends.BACKEND_NAMES
+    assert backends.layout_markers() == _backend_detect.MARKERS
+    assert dict(_backend_detect.MARKERS)["hybridep"] == "hybrid_ep_buffer.py"
+    assert _backend_detect.MARKERS[0][0] == "hybridep", "the hybrid-ep layout also ships buffer.py"
+    assert _backend_detect.backend_from_distribution("tokenspeed-deepep", "2.1.0") == "deepep_v2"
+    assert _backend_detect.backend_from_distribution("tokenspeed_deepep", "1.2.1") == "deepep_v1"
+    assert _backend_detect.backend_from_distribution("deep-ep", "1.2.1") is None
     for name in backends.BACKEND_NAMES:
-        assert f"use-ep {name}" in _ep_detect.INSTALL_HINTS[name]
+        assert f"use-ep {name}" in _backend_detect.INSTALL_HINTS[name]
 
 
 def test_cli_lists_the_registry() -> None:
@@ -176,15 +176,15 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
 def test_each_backend_has_the_adapter_of_its_api() -> None:
     """check_ep's adapters are keyed by the ``deep_ep`` API they drive; the registry says which
     backend ships which, so a backend's name is written in its module only."""
-    from ep_image.probes import ep_adapters
+    from ep_image.probes.check_ep.adapters import plugins
 
     for spec in backends.SPECS:
-        adapter = ep_adapters.BUILTIN[spec.name]
-        assert issubclass(adapter, ep_adapters.ADAPTERS[spec.api]), spec.name
+        adapter = plugins.BUILTIN[spec.name]
+        assert issubclass(adapter, plugins.ADAPTERS[spec.api]), spec.name
         assert adapter.name == spec.name and adapter.api == spec.api
-    assert set(ep_adapters.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
+    assert set(plugins.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
     # The shared adapter classes were not renamed by binding them.
-    assert all(cls.name == "" for cls in ep_adapters.ADAPTERS.values())
+    assert all(cls.name == "" for cls in plugins.ADAPTERS.values())
 
 
 def test_every_internode_check_kind_has_its_check() -> None:

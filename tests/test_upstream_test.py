@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import assert_unwritable_report_is_bad_usage
+
 TEST = """
 import argparse, multiprocessing as mp, sys
 
@@ -58,3 +60,13 @@ def test_the_oracles_processes_report_what_they_loaded(tmp_path: Path) -> None:
     assert loaded["processes"] >= 3, loaded  # the test's main process and its two ranks
     assert [m.split(":")[0] for m in loaded["modules"]] == ["machine_torch"], loaded
     assert not any("sitecustomize" in m or "utils" in m for m in loaded["modules"])
+
+
+def test_an_unwritable_report_path_is_bad_usage(tmp_path: Path) -> None:
+    """Found before the test runs, so a run of minutes never ends without its verdict."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_intranode.py").write_text("raise SystemExit('must not run')\n")
+    assert_unwritable_report_is_bad_usage(
+        tmp_path, "upstream_test", "--backend", "deepep_v1", "--tests", str(tests)
+    )

@@ -3,7 +3,7 @@
 What this proves: the lock installs on Linux x86_64 and each venv holds exactly its backend's
 `deep_ep` with every shared library its extension needs (ep_image/build_steps/check_installed.py).
 What it does NOT prove: that the backend works. deep_ep needs a GPU driver even to import;
-ep_image/probes/check_ep.py on a GPU is what proves a backend works.
+ep_image/probes/check_ep/ on a GPU is what proves a backend works.
 
 The first run downloads ~5 GB (torch and the CUDA 13 libraries) into uv's cache; later runs
 hardlink from that cache in seconds (docs/benchmarks.md).

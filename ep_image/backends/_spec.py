@@ -65,8 +65,8 @@ class BackendSpec:
     distribution: str
     #: A path inside ``deep_ep/`` that only this backend's layout ships.
     layout_marker: str
-    #: The ``deep_ep`` buffer class the probes drive (the adapter in ep_image/probes/ep_adapters.py
-    #: that speaks its API): "Buffer", "ElasticBuffer", "HybridEPBuffer".
+    #: The ``deep_ep`` buffer class the probes drive (the adapter that speaks its API, chosen in
+    #: ep_image/probes/check_ep/adapters/plugins.py): "Buffer", "ElasticBuffer", "HybridEPBuffer".
     api: str
     #: Backends whose marker this layout ships as well (so this marker is tested first).
     also_ships_markers_of: tuple[str, ...] = ()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Say what an EP backend venv holds: installed, NOT yet proven to work.
 
-`uv sync` succeeding only proves that files landed. Before the GPU probes run (check_ep.py
+`uv sync` succeeding only proves that files landed. Before the GPU probes run (check_ep
 proves that a backend works), this check catches the cheap failures on any machine, GPU or not:
 the wrong distribution providing `deep_ep`, two of them at once, a missing identifying file,
 a compiled extension whose shared libraries the dynamic loader would not find (asked in

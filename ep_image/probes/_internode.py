@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ep_image import elf
-from ep_image.probes import _ep_detect, _facts
+from ep_image.probes import _backend_detect, _facts
 
 #: NCCL that has the GIN device API DeepEP v2 uses across nodes (DeepEP's README).
 V2_MIN_NCCL = (2, 30, 4)
@@ -41,7 +41,7 @@ def rebuild_multinode(backend: str) -> str:
 def rebuild_with_nvshmem(backend: str) -> str:
     """The fix for an ``nvshmem`` build made without NVSHMEM."""
     return (
-        f"rebuild {backend} against NVSHMEM: python3 -m ep_image.build.make_venv builds it with "
+        f"rebuild {backend} against NVSHMEM: python3 scripts/make_venv.py builds it with "
         "NVSHMEM_DIR set to the venv's nvidia-nvshmem-cu13 (a build without it silently drops "
         "the internode and low-latency kernels)"
     )
@@ -66,13 +66,13 @@ def _needs(needed: list[str] | None, prefix: str) -> bool:
     return any(name.startswith(prefix) for name in needed or [])
 
 
-def backend_internode(installed: _ep_detect.Installed | None = None) -> dict[str, Any]:
+def backend_internode(installed: _backend_detect.Installed | None = None) -> dict[str, Any]:
     """Whether the installed backend's build has its internode path, with the evidence.
 
     ``internode`` is True, False, or None (no backend installed, or nothing to judge by);
     ``hint`` names the fix when it is False.
     """
-    inst = installed if installed is not None else _ep_detect.detect_installed()
+    inst = installed if installed is not None else _backend_detect.detect_installed()
     facts: dict[str, Any] = {
         "backend": inst.backend,
         "distribution": inst.distribution,
@@ -82,8 +82,8 @@ def backend_internode(installed: _ep_detect.Installed | None = None) -> dict[str
         "hint": "",
     }
     check = (
-        _ep_detect.registry.spec(inst.backend).internode_check
-        if inst.backend in _ep_detect.BACKEND_NAMES
+        _backend_detect.registry.spec(inst.backend).internode_check
+        if inst.backend in _backend_detect.BACKEND_NAMES
         else ""
     )
     if check:
@@ -91,7 +91,7 @@ def backend_internode(installed: _ep_detect.Installed | None = None) -> dict[str
     return facts
 
 
-def _links_nvshmem(inst: _ep_detect.Installed, facts: dict[str, Any]) -> None:
+def _links_nvshmem(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
     """DeepEP v1's extension links libnvshmem_host: its internode and low-latency kernels."""
     ext = _facts.extension_path("deep_ep_cpp")
     needed = elf_needed(ext) if ext else None
@@ -106,7 +106,7 @@ def _links_nvshmem(inst: _ep_detect.Installed, facts: dict[str, Any]) -> None:
         facts["hint"] = "" if facts["internode"] else rebuild_with_nvshmem(inst.backend)
 
 
-def _links_rdma(inst: _ep_detect.Installed, facts: dict[str, Any]) -> None:
+def _links_rdma(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
     """HybridEP's extension links libibverbs + libmlx5 (DOCA) or NIXL: a multi-node build."""
     ext = _facts.extension_path("hybrid_ep_cpp")
     needed = elf_needed(ext) if ext else None
@@ -130,7 +130,7 @@ def _links_rdma(inst: _ep_detect.Installed, facts: dict[str, Any]) -> None:
         facts["hint"] = "" if facts["internode"] else rebuild_multinode(inst.backend)
 
 
-def _nccl_gin(inst: _ep_detect.Installed, facts: dict[str, Any]) -> None:
+def _nccl_gin(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
     """DeepEP v2 goes across nodes through NCCL GIN: the venv's NCCL must be new enough."""
     found = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
     facts["nccl"] = found[1] if found else None
@@ -146,7 +146,7 @@ def _nccl_gin(inst: _ep_detect.Installed, facts: dict[str, Any]) -> None:
 
 #: ``BackendSpec.internode_check`` -> the check that fills in ``facts`` (a test holds the keys
 #: equal to ep_image.backends.INTERNODE_CHECKS).
-CHECKS: dict[str, Callable[[_ep_detect.Installed, dict[str, Any]], None]] = {
+CHECKS: dict[str, Callable[[_backend_detect.Installed, dict[str, Any]], None]] = {
     "nvshmem": _links_nvshmem,
     "rdma": _links_rdma,
     "nccl_gin": _nccl_gin,

@@ -7,7 +7,6 @@ bad usage (2) above all, since nothing was checked then.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import os
@@ -17,11 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ep_image.cli import EXIT_USAGE
 from ep_image.project import write_json
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-EXIT_USAGE = 2
+# EXIT_USAGE (2) is ep_image.cli's: bad usage means the same for every command.
 EXIT_UNUSABLE = 3
 EXIT_MISSING = 4
 EXIT_SKIPPED = 5
@@ -250,17 +250,3 @@ def build_report(
     report["exit_code"] = exit_code
     report["result"] = RESULT_WORDS.get(exit_code, "unknown")
     return report
-
-
-class UsageError(Exception):
-    """A bad flag or flag combination: the probe prints one line and exits 2."""
-
-
-class ProbeArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one UsageError line (exit 2), without the usage dump.
-
-    ``--help`` still prints the full documentation.
-    """
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (see --help)")

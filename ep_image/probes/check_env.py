@@ -12,24 +12,18 @@ import argparse
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from ep_image.probes import _ep_detect, _facts, _venv_record
-from ep_image.probes._report import (
-    EXIT_OK,
-    EXIT_USAGE,
-    SCHEMA_VERSION,
-    ProbeArgumentParser,
-    UsageError,
-    one_line,
-    write_report,
-)
+from ep_image import cli
+from ep_image.probes import _backend_detect, _facts, _venv_record
+from ep_image.probes._report import EXIT_OK, SCHEMA_VERSION, one_line, write_report
 
 PROG = "check_env"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = ProbeArgumentParser(
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
         prog="check_env.py",
         description=(
             "Print (and with --json write) the versions this environment holds: Python, torch "
@@ -38,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "Absent things are null; the probe exits 0 whatever it finds."
         ),
     )
-    parser.add_argument("--json", metavar="PATH", help="write the manifest here as JSON")
+    parser.add_json("write the manifest here as JSON")
     parser.add_argument(
         "--te-build-info",
         metavar="PATH",
@@ -69,7 +63,7 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
     build_info_path = _facts.te_build_info_path(te_build_info)
     build_info = _facts.read_json_file(build_info_path)
     loaded = _facts.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
-    installed = _ep_detect.detect_installed()
+    installed = _backend_detect.detect_installed()
     cuda_home, cuda_home_from = _facts.cuda_home()
     nvcc, nvcc_version = _facts.nvcc_version(cuda_home)
     te_dir = _facts.module_dir("transformer_engine")
@@ -189,12 +183,7 @@ def table(m: dict[str, Any]) -> str:
     return "check_env\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-    except UsageError as exc:
-        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
+def run(args: argparse.Namespace) -> int:
     manifest = collect(args.te_build_info)
     print(table(manifest), flush=True)
     if args.json:
@@ -202,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         report["environment"] = _venv_record.environment_facts()
         write_report(args.json, report)
     return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ep_image import cli
 from ep_image.probes import _fabric, _internode
 from ep_image.probes._report import (
     EXIT_OK,
-    EXIT_USAGE,
-    ProbeArgumentParser,
     Status,
     Step,
     StepFailed,
-    UsageError,
     build_report,
     exit_code_of,
-    one_line,
     render_table,
     timed_step,
     write_report,
@@ -74,8 +72,8 @@ NO_DRIVER_HINT = (
 )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = ProbeArgumentParser(
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
         prog="check_fabric.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
@@ -96,12 +94,10 @@ exit codes:
   5 internode EP cannot run here: no RDMA device or no NVIDIA driver (--require: 1)
 """,
     )
-    parser.add_argument("--json", metavar="PATH", help="write the report here as JSON")
-    parser.add_argument(
-        "--require",
-        action="store_true",
-        help="treat 'cannot run here' (exit 5) as a failure (exit 1): for cluster nodes, "
-        "where a missing NIC is a broken node",
+    parser.add_json("write the report here as JSON")
+    parser.add_require(
+        "treat 'cannot run here' (exit 5) as a failure (exit 1): for cluster nodes, "
+        "where a missing NIC is a broken node"
     )
     parser.add_argument(
         "--root",
@@ -113,7 +109,7 @@ exit codes:
     )
     args = parser.parse_args(argv)
     if not Path(args.root).is_dir():
-        raise UsageError(f"--root {args.root}: not a directory")
+        raise cli.UsageError(f"--root {args.root}: not a directory")
     return args
 
 
@@ -456,11 +452,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except UsageError as exc:
-        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from ep_image import cli
 from ep_image.probes import _facts, _venv_record
 from ep_image.probes._report import (
-    EXIT_USAGE,
-    ProbeArgumentParser,
     Status,
     Step,
     StepFailed,
-    UsageError,
     build_report,
     exit_code_of,
     one_line,
@@ -41,12 +39,12 @@ ATTN_BWD_TOL = 5e-2
 LINEAR_TOL = 2e-2
 INSTALL_HINT = (
     "install Transformer Engine built from source against this venv's cuDNN: "
-    "python3 -m ep_image.build.build_te (the `moe` extra pins it), or activate the image's venv"
+    "python3 scripts/build_te.py (the `moe` extra pins it), or activate the image's venv"
 )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = ProbeArgumentParser(
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
         prog="check_te.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
@@ -74,17 +72,15 @@ exit codes:
         "--features", type=int, default=1024, help="Linear in/out features (default: 1024)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
-    parser.add_argument(
-        "--require",
-        action="store_true",
-        help="treat 'cannot run here' (exit 5) as a failure (exit 1): for CI on GPU runners",
+    parser.add_json()
+    parser.add_require(
+        "treat 'cannot run here' (exit 5) as a failure (exit 1): for CI on GPU runners"
     )
     args = parser.parse_args(argv)
     for name in ("batch", "seq", "heads", "head_dim", "features"):
         if getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
+            raise cli.UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
     return args
 
 
@@ -139,7 +135,7 @@ def compare_cudnn(
             Status.INFO,
             f"loaded cuDNN {loaded['version']} from {loaded['path']}; no build record at "
             f"{build_info_path}, so the built-against version is unknown",
-            "pass --te-build-info or set EP_TE_BUILD_INFO (python3 -m ep_image.build.build_te "
+            "pass --te-build-info or set EP_TE_BUILD_INFO (python3 scripts/build_te.py "
             "writes te-build.json beside the TE wheel)",
             data,
         )
@@ -165,7 +161,7 @@ def compare_cudnn(
             f"from {loaded['path']}",
             f"put {build_info.get('cudnn_lib') or 'the venv cuDNN lib directory'} first on "
             "LD_LIBRARY_PATH (or remove the other copy), or rebuild TE against the loaded "
-            "cuDNN with python3 -m ep_image.build.build_te",
+            "cuDNN with python3 scripts/build_te.py",
             data,
         )
     where = loaded["path"]
@@ -267,7 +263,7 @@ def _te_call(what: str) -> Iterator[None]:
             hint = (
                 "TE failed inside cuDNN: make the cudnn step pass (one libcudnn loaded, the one "
                 "TE was built against; its sub-libraries come from the same directory), or "
-                "rebuild TE against the loaded cuDNN with python3 -m ep_image.build.build_te"
+                "rebuild TE against the loaded cuDNN with python3 scripts/build_te.py"
             )
         raise StepFailed(Status.ERROR, f"{what} raised {text}", hint) from None
 
@@ -336,7 +332,7 @@ def step_fused_attention(te: Any, args: argparse.Namespace) -> Step:
                 f"fused attention differs from fp32 SDPA: {', '.join(bad)} (limits "
                 f"{ATTN_FWD_TOL:g} forward, {ATTN_BWD_TOL:g} backward)",
                 "TE's fused attention computes wrong values with this cuDNN: rebuild TE "
-                "against the loaded cuDNN (python3 -m ep_image.build.build_te)",
+                "against the loaded cuDNN (python3 scripts/build_te.py)",
                 step.data,
             )
         step.detail = (
@@ -430,11 +426,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except UsageError as exc:
-        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ep_image import backends as registry
-from ep_image import child_env
+from ep_image import child_env, cli
 from ep_image.probes import _venv_record
 from ep_image.probes._report import write_json_atomic
+
+PROG = "upstream_test"
 
 #: MoE layer shapes of the seeds' models: tokens per rank, hidden, experts, top-k.
 SHAPES = {
@@ -128,8 +131,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.Parser(
         prog="upstream_test.py",
         description="Run a backend's own upstream test (the oracle for check_ep) and write "
         "its verdict as JSON.",
@@ -149,25 +152,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), help="the MoE layer shape")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds (default: 540)")
-    parser.add_argument("--json", type=Path, help="write the verdict here")
+    parser.add_json("write the verdict here")
     parser.add_argument("extra", nargs="*", help="more flags for the test, after --")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return cli.run(PROG, parse_args, run, argv)
+
+
+def run(args: argparse.Namespace) -> int:
     test = TESTS[args.backend]
     if args.shared_gpu and not test.shares_gpu:
-        print(
-            f"upstream_test: {args.backend}'s test builds NCCL communicators, and NCCL refuses "
-            "two ranks on one GPU: run it without --shared-gpu on one GPU per rank",
-            file=sys.stderr,
+        raise cli.UsageError(
+            f"{args.backend}'s test builds NCCL communicators, and NCCL refuses two ranks on "
+            "one GPU: run it without --shared-gpu on one GPU per rank"
         )
-        return 2
     source = args.tests / test.path
     if not source.is_file():
-        print(f"upstream_test: {source} not found (need the backend's tests/)", file=sys.stderr)
-        return 2
+        raise cli.UsageError(f"{source} not found (need the backend's tests/)")
     work = Path(tempfile.mkdtemp(prefix="upstream-test-"))
     try:
         shutil.copytree(args.tests, work / "tests")

@@ -1,31 +1,18 @@
 """check_ep's scenarios: the routing training produces, not only one uniform layout.
 
-The table of scenarios (changing, skewed, dropped, uneven, reuse) and their seeds; it imports
-without torch so the command line can name them before torch loads, and ``_ep_scenario_run``
-runs them. See docs/probes.md, section "Scenarios".
+The table of scenarios (changing, skewed, dropped, uneven, reuse), their seeds and token
+counts; it imports without torch so the command line can name them before torch loads.
+``routing`` makes their routings and ``runner`` runs them. See docs/probes.md, section
+"Scenarios".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-
-    from ep_image.probes.ep_adapters import EPBackend, Shape
-
-    Router = Callable[[torch.Generator, int], torch.Tensor]
-
-#: Inputs training presents that a backend's API may not take (``EPBackend.input_limits``).
-UNEVEN_TOKENS = "uneven_tokens"
-DROPPED_SLOTS = "dropped_slots"
-INPUT_CLASSES = {
-    UNEVEN_TOKENS: "ranks holding different numbers of tokens, 0 included",
-    DROPPED_SLOTS: "top-k slots with expert index -1 (dropped or padded)",
-}
+from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.types import DROPPED_SLOTS, UNEVEN_TOKENS
 
 #: Tokens per rank in a scenario: the layer's, up to this many (a multiple of 64, HybridEP's
 #: chunk size).
@@ -45,7 +32,7 @@ class Scenario:
     exercises: str
     layouts: int = 1
     rounds: int = 0  # extra rounds of new activations through each layout
-    needs: tuple[str, ...] = ()  # ep_adapters.INPUT_CLASSES it needs the backend to take
+    needs: tuple[str, ...] = ()  # types.INPUT_CLASSES it needs the backend to take
     routing: str = "uniform"  # uniform | skewed | dropped
     uneven: bool = False
 
@@ -122,11 +109,6 @@ def not_applicable(backend: EPBackend, scenario: Scenario) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------
-# Inputs
-# ------------------------------------------------------------------------------------------
-
-
 def tokens_of(scenario: Scenario, base: int, rank: int, world: int) -> int:
     """Tokens ``rank`` holds: ``base``, or for ``uneven`` a pattern with a 0 in it."""
     if not scenario.uneven:
@@ -135,63 +117,3 @@ def tokens_of(scenario: Scenario, base: int, rank: int, world: int) -> int:
         return 0
     pattern = (max(base - 5, 1), 0, base, base // 2 + 1)
     return pattern[rank % len(pattern)]
-
-
-def skewed_routing(experts: int, topk: int, world: int) -> Router:
-    """Expert ``hot[0]`` takes every token, the other hot experts 3 tokens in 4; the last rank
-    (with 2+ ranks, where enough experts remain) and every third other expert take none."""
-    local = experts // world
-    candidates = list(range(experts))
-    if world > 1 and experts - local >= topk:
-        candidates = [e for e in candidates if e // local != world - 1]
-    hot_count = max(1, min(topk // 4 or 1, len(candidates)))
-    step = max(1, len(candidates) // hot_count)
-    hot = candidates[::step][:hot_count]
-    rest = [e for e in candidates if e not in hot]
-    cold_extra = rest[2::3]
-    while len(candidates) - len(cold_extra) < topk and cold_extra:
-        cold_extra.pop()
-    usable = [e for e in candidates if e not in cold_extra]
-
-    def route(gen: torch.Generator, tokens: int) -> torch.Tensor:
-        import torch
-
-        scores = torch.rand((tokens, experts), generator=gen)
-        blocked = torch.ones(experts, dtype=torch.bool)
-        blocked[usable] = False
-        scores[:, blocked] = -1.0
-        scores[:, hot[0]] = 3.0
-        if len(hot) > 1:
-            most = torch.rand((tokens, 1), generator=gen) < 0.75
-            scores[:, hot[1:]] = torch.where(most, 2.0, scores[:, hot[1:]])
-        return scores.topk(topk, dim=1).indices.to(torch.int64)
-
-    return route
-
-
-def dropped_routing(experts: int, topk: int) -> Router:
-    """Uniform routing with a quarter of the slots -1 and every eighth token's slots all -1
-    (token 0 keeps exactly one expert)."""
-
-    def route(gen: torch.Generator, tokens: int) -> torch.Tensor:
-        import torch
-
-        from ep_image.probes._ep_reference import uniform_routing
-
-        idx = uniform_routing(gen, tokens, experts, topk)
-        drop = torch.rand(idx.shape, generator=gen) < 0.25
-        drop[7::8] = True
-        if tokens:
-            drop[0] = True
-            drop[0, 0] = False
-        return torch.where(drop, torch.full_like(idx, -1), idx)
-
-    return route
-
-
-def router_of(scenario: Scenario, shape: Shape, world: int) -> Router | None:
-    if scenario.routing == "skewed":
-        return skewed_routing(shape.experts, shape.topk, world)
-    if scenario.routing == "dropped":
-        return dropped_routing(shape.experts, shape.topk)
-    return None

@@ -9,13 +9,10 @@ where it happened, so no failure ends without a report.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ep_image.probes import _facts, _supervise, _venv_record
-from ep_image.probes._ep_dist import SHARED_GPU_LABEL, RankEnv
-from ep_image.probes._ep_steps import STEP_NAMES, not_run
 from ep_image.probes._report import (
     EXIT_UNUSABLE,
     Status,
@@ -25,11 +22,8 @@ from ep_image.probes._report import (
     write_report,
 )
 from ep_image.probes._supervise import Outcome
-
-if TYPE_CHECKING:
-    from ep_image.probes.check_ep import Selection
-
-PROG = "check_ep"
+from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
+from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, Selection, not_run
 
 
 def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str]:
@@ -56,7 +50,7 @@ def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str
 
 
 def finish(
-    args: argparse.Namespace,
+    options: Options,
     env: RankEnv,
     sel: Selection,
     steps: list[Step],
@@ -77,22 +71,22 @@ def finish(
     # interpreter and imports; rank 0 is the one that writes the report).
     extra.setdefault("environment", _venv_record.environment_facts())
     report = build_report(
-        "check_ep",
+        PROG,
         steps,
         code,
         backend=sel.name,
         backend_selection=sel.how,
         world_size=env.world,
         nodes=env.nodes,
-        require=bool(args.require),
+        require=bool(options.require),
         versions=versions,
         numbers=numbers(steps),
         **meta,
         **extra,
     )
-    print(render_table("check_ep", header_lines(sel, env, meta), steps, code), flush=True)
-    if args.json:
-        write_report(args.json, report)
+    print(render_table(PROG, header_lines(sel, env, meta), steps, code), flush=True)
+    if options.json:
+        write_report(options.json, report)
     return code
 
 
@@ -190,7 +184,7 @@ def primary_failure(
 
 
 def report_unfinished(
-    args: argparse.Namespace,
+    options: Options,
     env: RankEnv,
     sel: Selection,
     own: Outcome,
@@ -199,7 +193,7 @@ def report_unfinished(
     """Rank 0's supervisor: the table and JSON for a run that did not finish (exit 3)."""
     found = primary_failure(outcomes)
     rank, failure = found if found is not None else (env.rank, own.to_json())
-    detail = _describe(rank, env.world, failure, args.timeout)
+    detail = _describe(rank, env.world, failure, options.timeout)
     hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
     if failure["how"] == "hang" and len(hung) > 1:
         detail += f" (ranks {hung} all hung there)"
@@ -233,4 +227,4 @@ def report_unfinished(
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
     ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    return finish(args, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)
+    return finish(options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)

@@ -1,4 +1,4 @@
-"""``check_ep.py --nproc-per-node N``: start N local ranks through torchrun's own launcher.
+"""``check-ep --nproc-per-node N``: start N local ranks through torchrun's own launcher.
 
 Why this module exists: a probe is most often run by hand on one node, where typing torchrun
 is a chore, and torchrun turns every failure into exit 1 while the probe's codes (3 unusable,

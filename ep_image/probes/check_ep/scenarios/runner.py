@@ -1,4 +1,4 @@
-"""Run check_ep's scenarios (``_ep_scenarios``) on this rank and check every output.
+"""Run check_ep's scenarios (``catalogue``) on this rank and check every output.
 
 Every rank calls the backend in the same order whatever a check finds (problems are recorded,
 never raised, so the ranks stay in step), leaves a breadcrumb before each call and stops at the
@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ep_image.probes import _supervise
-from ep_image.probes._ep_reference import (
+from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.ranks import Runtime
+from ep_image.probes.check_ep.reference import (
     Expected,
     GlobalRouting,
     Inputs,
@@ -43,7 +45,7 @@ from ep_image.probes._ep_reference import (
     tensor_contract,
     token_scale,
 )
-from ep_image.probes._ep_scenarios import (
+from ep_image.probes.check_ep.scenarios.catalogue import (
     BY_NAME,
     ERROR,
     FAIL,
@@ -52,15 +54,12 @@ from ep_image.probes._ep_scenarios import (
     PASS,
     Scenario,
     not_applicable,
-    router_of,
     scenario_seed,
     scenario_tokens,
     tokens_of,
 )
-
-if TYPE_CHECKING:
-    from ep_image.probes._ep_dist import Runtime
-    from ep_image.probes.ep_adapters import EPBackend, Shape
+from ep_image.probes.check_ep.scenarios.routing import router_of
+from ep_image.probes.check_ep.types import Shape
 
 
 class BackendRaised(Exception):

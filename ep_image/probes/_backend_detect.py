@@ -243,7 +243,7 @@ RUN_TIME_HINTS: tuple[tuple[str, str], ...] = (
         "Numpy is not available",
         "the backend's buffer swaps handles through torch.distributed.all_gather_object, which "
         "needs numpy, and this environment has none: install numpy in the backend's venv (the "
-        "lock's backend extras hold it: rebuild the venv with python3 -m ep_image.build.make_venv)",
+        "lock's backend extras hold it: rebuild the venv with python3 scripts/make_venv.py)",
     ),
     (
         "CPU recv timeout",

@@ -2,7 +2,8 @@
 
 Every rank must reach the same verdict: placement picks each rank's GPU (ranks sharing one use
 gloo, since NCCL refuses two ranks on a GPU), and ``agree`` merges a step over all ranks through
-a gloo group the backend never touches. See docs/probes.md, section "Where each rank runs".
+a gloo group the backend never touches. torch is imported only inside the functions that need
+it. See docs/probes.md, section "Where each rank runs".
 """
 
 from __future__ import annotations
@@ -222,6 +223,14 @@ class Runtime:
         return self.placement.use_gpu
 
 
+def sync(rt: Runtime) -> None:
+    """Wait for this rank's GPU to finish what was queued (nothing to wait for on the CPU)."""
+    if rt.use_gpu:
+        import torch
+
+        torch.cuda.synchronize(rt.device)
+
+
 def init_distributed(
     env: RankEnv, placement: Placement, timeout: float, store: Any = None
 ) -> Runtime:
@@ -270,6 +279,17 @@ def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
         json.loads(bytes(chunk[: int(n.item())].tolist()).decode())
         for chunk, n in zip(chunks, sizes, strict=True)
     ]
+
+
+def all_gather_rows(t: Any, group: Any) -> Any:
+    """Concatenate the tensor ``t`` (same shape on every rank) from all ranks along dim 0."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t.contiguous(), group=group)
+    return out
 
 
 def agree(

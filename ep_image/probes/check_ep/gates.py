@@ -1,112 +1,23 @@
-"""check_ep's steps in order: the gates (import, prerequisites, buffer), then the checks.
+"""check_ep's gates: the steps that must pass before any kernel check runs (import,
+prerequisites, buffer).
 
-Why this module exists: the order of the steps and what happens between them is the
-probe's contract with every backend - a gate that does not pass stops the run with the
-later steps "not run", a backend error (or a backend that calls ``sys.exit``) ends the checks,
-and each step leaves a breadcrumb so a crash or hang is reported at the step it happened in.
+Why this module exists: a backend that does not import, cannot run here or cannot build its
+buffer gets a verdict that names the fix (missing 4, unusable 3, skipped 5) instead of a
+failed check; each gate gathers all its facts first, so the report shows them even when one
+problem ends the step.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ep_image.probes import _ep_checks, _ep_detect, _facts, _supervise
-from ep_image.probes._ep_dist import Runtime, agree
+from ep_image.probes import _backend_detect, _facts
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
-
-if TYPE_CHECKING:
-    from ep_image.probes.check_ep import Selection
-    from ep_image.probes.ep_adapters import EPBackend, Shape
-
-STEP_NAMES = (
-    "import",
-    "prerequisites",
-    "buffer",
-    "dispatch_combine",
-    "backward",
-    "replay",
-    "scenarios",
-    "bandwidth",
-)
-
-
-def not_run(name: str, gate: Step) -> Step:
-    return Step(name, Status.NOT_RUN, detail=f"not run: {gate.name} ended '{gate.status.value}'")
-
-
-def begin(name: str, steps: list[Step]) -> None:
-    """Leave a breadcrumb: if the backend kills or hangs the process, the supervisor says where."""
-    _supervise.progress.update(current=name, scenario=None, steps=[s.to_json() for s in steps])
-
-
-def guarded(name: str, check: Callable[[], Step]) -> Step:
-    """Run one step; a backend that calls ``sys.exit`` inside it is unusable, not finished."""
-    try:
-        return check()
-    except SystemExit as exc:
-        return Step(
-            name,
-            Status.ERROR,
-            detail=f"the backend called sys.exit({exc.code!r}) during {name}",
-            hint="a backend must raise, not exit; report it with this JSON",
-        )
-
-
-def run_steps(
-    rt: Runtime, sel: Selection, backend: EPBackend, shape: Shape, args: argparse.Namespace
-) -> list[Step]:
-    steps: list[Step] = []
-
-    def gate(name: str, check: Callable[[], Step]) -> bool:
-        begin(name, steps)
-        step = guarded(name, check)
-        step.hint = step.hint or _ep_detect.run_time_hint(step.detail)
-        steps.append(step)
-        if step.status != Status.PASS:
-            steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
-            return False
-        return True
-
-    if not (
-        gate("import", lambda: step_import(rt, sel, backend))
-        and gate("prerequisites", lambda: step_prerequisites(rt, backend))
-        and gate("buffer", lambda: step_buffer(rt, backend, shape))
-    ):
-        return steps
-    begin("dispatch_combine", steps)
-    with timed_step("dispatch_combine") as prep:
-        ctx = _ep_checks.prepare_checks(rt, shape, args)
-    if prep.status != Status.PASS:
-        prep.detail = "preparing the reference failed: " + prep.detail
-        steps.append(agree(rt, prep))
-        steps.extend(not_run(n, steps[-1]) for n in STEP_NAMES[len(steps) :])
-        return steps
-    checks: list[tuple[str, Callable[[], Step]]] = [
-        ("dispatch_combine", lambda: _ep_checks.step_dispatch_combine(rt, backend, ctx)),
-        ("backward", lambda: _ep_checks.step_backward(rt, backend, ctx, args.seed)),
-        ("replay", lambda: _ep_checks.step_replay(rt, backend, ctx, args.replays)),
-        ("scenarios", lambda: _ep_checks.step_scenarios(rt, backend, ctx, args)),
-        ("bandwidth", lambda: _ep_checks.step_bandwidth(rt, backend, ctx, args)),
-    ]
-    for name, check in checks:
-        begin(name, steps)
-        step = guarded(name, check)
-        step.hint = step.hint or _ep_detect.run_time_hint(step.detail)
-        steps.append(step)
-        if step.status == Status.ERROR:
-            # The backend raised: its state (and the group's) is unknown, stop here.
-            steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
-            break
-    return steps
-
-
-# ------------------------------------------------------------------------------------------
-# The gates
-# ------------------------------------------------------------------------------------------
+from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.ranks import Runtime, agree, sync
+from ep_image.probes.check_ep.types import Selection, Shape
 
 
 def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
@@ -144,9 +55,9 @@ def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
                     data,
                 )
             if rt.env.local_rank == 0:
-                trial = _ep_detect.trial_import(timeout=rt.timeout * 0.8)
+                trial = _backend_detect.trial_import(timeout=rt.timeout * 0.8)
                 if not trial.ok:
-                    status, detail, hint = _ep_detect.classify_import_failure(
+                    status, detail, hint = _backend_detect.classify_import_failure(
                         sel.name, trial.output, trial.returncode, torch.cuda.is_available()
                     )
                     data["import_output_tail"] = trial.output[-2000:]
@@ -305,7 +216,7 @@ def _check_nccl(
             (
                 Status.ERROR,
                 f"NCCL {nccl} loaded, {backend.name} needs >= {need}",
-                _ep_detect.NCCL_FIX,
+                _backend_detect.NCCL_FIX,
             )
         )
 
@@ -327,8 +238,8 @@ def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) 
     found = nvshmem[1] if nvshmem else data["nvshmem_dir"]
     text = f"NVSHMEM {found}" if found else "NVSHMEM not found"
     links = (
-        backend.name in _ep_detect.BACKEND_NAMES
-        and _ep_detect.registry.spec(backend.name).links_nvshmem
+        backend.name in _backend_detect.BACKEND_NAMES
+        and _backend_detect.registry.spec(backend.name).links_nvshmem
     )
     extension = _facts.extension_path("deep_ep_cpp") if links else None
     if extension:
@@ -370,10 +281,10 @@ def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:
     import torch.distributed as dist
 
     with timed_step("buffer") as step:
-        _ep_checks.sync(rt)
+        sync(rt)
         dist.barrier(group=rt.ctrl_group)
         backend.create(rt.ep_group, shape)
-        _ep_checks.sync(rt)
+        sync(rt)
         local = shape.local_experts(rt.env.world)
         step.detail = (
             f"{type(backend).__name__} on {rt.env.world} rank(s): {shape.tokens} tokens/rank, "

@@ -1,0 +1,112 @@
+"""The expert-parallel backend interface the probe checks: :class:`EPBackend`.
+
+Why this module exists: DeepEP v1 (``deep_ep.Buffer``), DeepEP v2 (``deep_ep.ElasticBuffer``)
+and HybridEP (``deep_ep.HybridEPBuffer``) do the same job - send each token to the ranks
+that own its top-k experts (dispatch) and sum the experts' outputs back (combine) - through
+three different APIs. ``check_ep`` tests all of them with one set of checks, so each API is
+wrapped behind this interface, one adapter a module beside it, and a plain-torch reference
+backend (``torch_reference.TorchBackend``, all_gather based, like the slow fallback MoE code
+uses without DeepEP) lets every check run in CI over gloo on CPUs.
+
+The contract every adapter follows (DeepEP's "normal" non-expanded layout):
+
+- ``dispatch(x, topk_idx, topk_weights)`` gives each rank one row per token that has at least
+  one of its top-k experts on that rank (a token is sent once per rank, not once per expert),
+  in any order, with ``recv_topk_idx`` holding *local* expert indices (``-1`` for top-k slots
+  whose expert lives on another rank) and the matching weights, plus the received-token count
+  per local expert.
+- ``combine(y, handle)`` sends row ``i`` of ``y`` back to the token it came from and sums the
+  rows of each token over ranks, *without* weights (the expert side applies them).
+- ``dispatch_backward`` / ``combine_backward`` are the gradients of the two: the gradient of a
+  copy-to-ranks is a sum-over-ranks (a combine), and the gradient of a sum-over-ranks is a
+  copy-to-ranks along the same layout (a dispatch that reuses the handle).
+
+Other adapters (tests, new backends) subclass :class:`EPBackend` and are loaded by
+``check-ep --backend-class FILE.py:Class`` (``plugins``). This module imports no torch: the
+annotations name torch's types only.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ep_image.probes.check_ep.types import Dispatched, Shape
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+
+class EPBackend(abc.ABC):
+    """One expert-parallel communication backend, as the probe drives it.
+
+    Class attributes describe what the backend needs, so the probe can say "skipped: no
+    GPU" or "needs 2, 4 or 8 ranks" before touching it.
+    """
+
+    #: Name in reports.
+    name: ClassVar[str] = "custom"
+    #: The ``deep_ep`` buffer class it drives (``BackendSpec.api``); empty for other adapters.
+    api: ClassVar[str] = ""
+    #: Needs CUDA devices (and an NCCL process group).
+    requires_gpu: ClassVar[bool] = True
+    #: Compiles kernels at run time, so it needs a CUDA home with nvcc.
+    jit_compiles: ClassVar[bool] = False
+    #: Token dtypes dispatch accepts, as torch dtype names.
+    dtypes: ClassVar[tuple[str, ...]] = ("bfloat16",)
+    #: World sizes the backend supports (None: any).
+    world_sizes: ClassVar[tuple[int, ...] | None] = None
+    #: Sentence explaining ``world_sizes``, for the skip message.
+    world_size_note: ClassVar[str] = ""
+    #: Minimum NCCL version, if the backend needs one.
+    min_nccl: ClassVar[tuple[int, int] | None] = None
+    #: Builds NCCL communicators from the group: cannot run with ranks sharing a GPU.
+    needs_nccl_group: ClassVar[bool] = False
+    #: Input classes (keys of ``INPUT_CLASSES``) the backend's documented API does not
+    #: take, each with the reason; check_ep reports the scenarios that need one as "not
+    #: applicable to <backend>: <reason>" instead of running them.
+    input_limits: ClassVar[dict[str, str]] = {}
+
+    def load(self) -> dict[str, Any]:
+        """Import what the backend needs; return facts for the report (module path...)."""
+        return {}
+
+    def unsupported(self, world: int, local_world: int) -> str | None:
+        """Why it cannot run on ``world`` ranks, ``local_world`` per node (None: it can)."""
+        if self.world_sizes is not None and world not in self.world_sizes:
+            return self.world_size_note or f"run with {self.world_sizes} ranks"
+        return None
+
+    @abc.abstractmethod
+    def create(self, group: dist.ProcessGroup, shape: Shape) -> None:
+        """Build the communication buffer for ``shape`` on the EP process ``group``."""
+
+    @abc.abstractmethod
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Dispatched:
+        """Send each token to the ranks that own its experts."""
+
+    @abc.abstractmethod
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Sum the rows of ``y`` back onto the tokens they came from: ``[tokens, hidden]``."""
+
+    @abc.abstractmethod
+    def dispatch_cached(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Dispatch ``x`` along the layout of an earlier dispatch (no routing given)."""
+
+    def dispatch_backward(self, grad_recv_x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Gradient of dispatch: the received rows' gradients summed back per token."""
+        return self.combine(grad_recv_x, handle)
+
+    def combine_backward(self, grad_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Gradient of combine: each token's output gradient copied to every row it came from."""
+        return self.dispatch_cached(grad_out, handle)
+
+    def destroy(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release the buffer (explicitly, so no destructor runs during interpreter exit)."""
+
+    def facts(self) -> dict[str, Any]:
+        """Facts for the buffer step's report, known once ``create`` ran (e.g. a JIT cache)."""
+        return {}

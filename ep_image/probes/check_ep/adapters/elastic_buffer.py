@@ -1,0 +1,119 @@
+"""The adapter of DeepEP v2's ``deep_ep.ElasticBuffer`` (non-expanded layout, CPU-synced counts),
+and the facts of its JIT cache.
+
+Why this module exists: v2 pads its received rows to a buffer size and compiles its kernels at
+first use; the adapter cuts the rows to the real count and reports where the kernels are cached
+and whether NCCL GIN is on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.adapters.deep_ep_common import (
+    RowsHandle,
+    import_deep_ep,
+    module_facts,
+    pad_rows,
+)
+from ep_image.probes.check_ep.types import Dispatched, Shape
+
+
+def jit_cache_facts(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """DeepEP v2's JIT cache before this run: where (EP_JIT_CACHE_DIR, else ~/.deep_ep), how
+    many kernels it holds. An empty one means minutes of compiling at first dispatch; a
+    container that keeps it (a volume, the image's EP_JIT_CACHE_DIR) pays that once."""
+    env = dict(os.environ if env is None else env)
+    home = env.get("HOME") or os.path.expanduser("~")
+    where = env.get("EP_JIT_CACHE_DIR") or os.path.join(home, ".deep_ep")
+    files, size = 0, 0
+    for root, _dirs, names in os.walk(where):
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(root, name)).st_size
+                files += 1
+            except OSError:
+                continue
+    gin_off = env.get("EP_DISABLE_GIN", "0") not in ("", "0")
+    return {
+        "jit_cache_dir": where,
+        "jit_cache_from": "EP_JIT_CACHE_DIR" if env.get("EP_JIT_CACHE_DIR") else "default",
+        "jit_cache_files_before": files,
+        "jit_cache_bytes_before": size,
+        "gin": "disabled (EP_DISABLE_GIN=1: NVLink only, one node)" if gin_off else "enabled",
+    }
+
+
+class DeepEPv2Backend(EPBackend):
+    """DeepEP v2 ``deep_ep.ElasticBuffer`` (non-expanded layout, CPU-synced counts).
+
+    Its kernels are JIT-compiled on first use (CUDA home with nvcc needed) and its import
+    requires NCCL >= 2.30 (``ncclCommQueryProperties``).
+    """
+
+    name = ""  # the backend's, given by adapter_for
+    api = "ElasticBuffer"
+    jit_compiles = True
+    min_nccl = (2, 30)
+    needs_nccl_group = True
+
+    def load(self) -> dict[str, Any]:
+        self.deep_ep = import_deep_ep()
+        self.ElasticBuffer = self.deep_ep.ElasticBuffer
+        self.topk_idx_t = getattr(self.deep_ep, "topk_idx_t", torch.int64)
+        return {**module_facts(self.deep_ep), **jit_cache_facts()}
+
+    def create(self, group: dist.ProcessGroup, shape: Shape) -> None:
+        self.shape = shape
+        # Sized from the MoE settings (BF16 tokens), as ElasticBuffer computes it.
+        self.buffer = self.ElasticBuffer(
+            group,
+            num_max_tokens_per_rank=shape.tokens,
+            hidden=shape.hidden,
+            num_topk=shape.topk,
+            explicitly_destroy=True,
+        )
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Dispatched:
+        recv_x, recv_idx, recv_w, handle, _ = self.buffer.dispatch(
+            x,
+            topk_idx=topk_idx.to(self.topk_idx_t),
+            topk_weights=topk_weights.float(),
+            num_experts=self.shape.experts,
+            num_max_tokens_per_rank=self.shape.tokens,
+        )
+        # Received rows may be padded to a buffer size; the prefix sum's last element is
+        # the real count (DeepEP's own test reads it the same way).
+        rows = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1].item())
+        return Dispatched(
+            recv_x=recv_x[:rows],
+            recv_topk_idx=recv_idx[:rows],
+            recv_topk_weights=recv_w[:rows],
+            num_recv_per_expert=[int(c) for c in handle.num_recv_tokens_per_expert_list],
+            handle=RowsHandle(handle, rows, recv_x.shape[0]),
+        )
+
+    def combine(self, y: torch.Tensor, handle: RowsHandle) -> torch.Tensor:
+        combined, _, _ = self.buffer.combine(pad_rows(y, handle.padded_rows), handle.raw)
+        return combined
+
+    def dispatch_cached(self, x: torch.Tensor, handle: RowsHandle) -> torch.Tensor:
+        # num_experts is passed although the handle holds it: dispatch sizes its SM count
+        # from it before it reads the handle.
+        recv_x, _, _, _, _ = self.buffer.dispatch(
+            x, handle=handle.raw, num_experts=self.shape.experts
+        )
+        return recv_x[: handle.rows]
+
+    def destroy(self) -> None:
+        buffer = getattr(self, "buffer", None)
+        if buffer is not None:
+            buffer.destroy()
+            self.buffer = None

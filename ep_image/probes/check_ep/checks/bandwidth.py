@@ -1,0 +1,237 @@
+"""The ``bandwidth`` step: GB/s of dispatch and combine beside a device copy, every call's output
+checked.
+
+Why this module exists: a fast backend is the point of one, but a time is a bandwidth only when
+the data is right: every timed call gets new activations and is checked after its timing ends,
+so an answer served from a cache, or a race between back-to-back calls, fails instead of
+measuring.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ep_image.probes._report import Status, Step, StepFailed, timed_step
+from ep_image.probes.check_ep import reference as ref
+from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.checks.context import CheckContext, expert_output_of
+from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, Runtime, agree, sync
+from ep_image.probes.check_ep.types import Options
+
+
+def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: Options) -> Step:
+    """GB/s of dispatch and combine (received bytes / median time) and of a device copy.
+
+    Every call gets new activations (the same tokens' payload times a power of two that
+    changes from call to call, prepared before its timing starts), so no backend can answer
+    from a cache, and every output is checked after its timing ends: dispatch for the tokens
+    routed here, bit-exact, combine token by token against the reference.
+    """
+    import torch
+
+    with timed_step("bandwidth") as step:
+        inp = ctx.inputs
+        d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
+        y = expert_output_of(ctx, d)
+        rows = int(d.recv_x.shape[0])
+        nbytes = rows * ctx.shape.hidden * d.recv_x.element_size()
+
+        def dispatch_wrong(i: int, out: Any) -> Any:
+            f = ref.call_factor(i)
+            return ref.dispatch_wrong(out.recv_x, ctx.global_routing, ctx.expected, f)
+
+        def combine_wrong(i: int, out: Any) -> Any:
+            want = ctx.expected_combine * ref.call_factor(i)
+            if out.shape != want.shape:
+                return torch.ones((), dtype=torch.bool, device=want.device)
+            return (ref.per_token_rel_diff(out.float(), want) > ctx.tolerance).any()
+
+        t_dispatch, bad_dispatch = _bench(
+            rt,
+            lambda i: ref.scale_payload(inp.x, ref.call_factor(i)),
+            lambda x: backend.dispatch(x, inp.topk_idx, inp.topk_weights),
+            options,
+            dispatch_wrong,
+        )
+        t_combine, bad_combine = _bench(
+            rt,
+            lambda i: y * ref.call_factor(i),
+            lambda y_i: backend.combine(y_i, d.handle),
+            options,
+            combine_wrong,
+        )
+        src = torch.empty(
+            max(nbytes // d.recv_x.element_size(), 1), dtype=d.recv_x.dtype, device=rt.device
+        )
+        dst = torch.empty_like(src)
+        t_copy, _ = _bench(
+            rt, lambda i: None, lambda _: dst.copy_(src), options, None, collective=False
+        )
+        copy_bytes = src.numel() * src.element_size()
+        shared = rt.placement.shared
+        data: dict[str, Any] = {
+            "bytes": nbytes,
+            "dispatch_seconds": t_dispatch,
+            "combine_seconds": t_combine,
+            "copy_seconds": t_copy,
+            "dispatch_gbs": nbytes / t_dispatch / 1e9 if t_dispatch > 0 else 0.0,
+            "combine_gbs": nbytes / t_combine / 1e9 if t_combine > 0 else 0.0,
+            "copy_gbs": copy_bytes / t_copy / 1e9 if t_copy > 0 else 0.0,
+            "timer": "cuda events" if rt.use_gpu else "perf_counter",
+            "checked_calls": options.warmup + options.iters,
+            "shared_gpu": shared,
+            "link_figure": rt.use_gpu and not shared,
+        }
+        if shared:
+            data["note"] = SHARED_GPU_LABEL
+        if len(set(rt.node_of_rank)) > 1:
+            data.update(_link_split(rt, d.recv_x, nbytes, t_dispatch, t_combine))
+        step.data = data
+        data["dispatch_vs_copy"] = data["dispatch_gbs"] / data["copy_gbs"] if t_copy else None
+        data["combine_vs_copy"] = data["combine_gbs"] / data["copy_gbs"] if t_copy else None
+        calls = options.warmup + options.iters
+        wrong = [
+            f"{len(bad)} of {calls} back-to-back {op} calls returned wrong data (calls {bad})"
+            for op, bad in (("dispatch", bad_dispatch), ("combine", bad_combine))
+            if bad
+        ]
+        if wrong:
+            data["wrong_calls"] = {"dispatch": bad_dispatch, "combine": bad_combine}
+            raise StepFailed(
+                Status.FAIL,
+                "; ".join(wrong) + " (each call had new activations: a result served from "
+                "an earlier call is wrong, and its time is not a bandwidth)",
+                "where only later calls are wrong, results change when calls follow each "
+                "other quickly (a race: data read before it landed) or come from a cache; do "
+                "not train with this backend and report it with this JSON",
+                data,
+            )
+        slow = [
+            f"{op} {data[op + '_gbs']:.3g} GB/s"
+            for op in ("dispatch", "combine")
+            if data[op + "_gbs"] < options.min_gbs
+        ]
+        if slow and not shared:
+            raise StepFailed(
+                Status.FAIL,
+                f"{', '.join(slow)} below --min-gbs {options.min_gbs:g}",
+                "check NVLink topology (nvidia-smi topo -m), SM/QP settings and that no other "
+                "job shares the GPUs",
+                data,
+            )
+        step.detail = (
+            f"dispatch {data['dispatch_gbs']:.3g} GB/s, combine {data['combine_gbs']:.3g} GB/s, "
+            f"copy {data['copy_gbs']:.3g} GB/s"
+        )
+        if shared:
+            step.detail = f"{SHARED_GPU_LABEL}: {step.detail}; --min-gbs not applied"
+    return agree(rt, step, _summarize_bandwidth)
+
+
+def _link_split(
+    rt: Runtime, recv_x: Any, nbytes: int, t_dispatch: float, t_combine: float
+) -> dict[str, Any]:
+    """Received bytes from this node's ranks (NVLink) and from other nodes (RDMA), as DeepEP's
+    internode test reports them; each over the same call time."""
+    import torch
+
+    nodes = torch.tensor(rt.node_of_rank, device=recv_x.device)
+    src = recv_x[:, 0].float().round().long().clamp(0, len(rt.node_of_rank) - 1)
+    rows = int(recv_x.shape[0])
+    remote = int((nodes[src] != rt.node_of_rank[rt.env.rank]).sum()) if rows else 0
+    rdma_bytes = nbytes * remote // rows if rows else 0
+    nvl_bytes = nbytes - rdma_bytes
+    out: dict[str, Any] = {"nvl_bytes": nvl_bytes, "rdma_bytes": rdma_bytes}
+    for op, seconds in (("dispatch", t_dispatch), ("combine", t_combine)):
+        out[f"{op}_nvl_gbs"] = nvl_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        out[f"{op}_rdma_gbs"] = rdma_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return out
+
+
+def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
+    datas = [s.data for s in per_rank]
+    if not all("dispatch_gbs" in d for d in datas):
+        return
+    summary: dict[str, Any] = {}
+    split = ("dispatch_nvl_gbs", "dispatch_rdma_gbs", "combine_nvl_gbs", "combine_rdma_gbs")
+    keys = ("dispatch_gbs", "combine_gbs", "copy_gbs")
+    for key in (*keys, *(k for k in split if all(k in d for d in datas))):
+        values = [d[key] for d in datas]
+        summary[key] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+    copy = summary["copy_gbs"]["mean"]
+    summary["dispatch_vs_copy"] = summary["dispatch_gbs"]["mean"] / copy if copy else None
+    summary["combine_vs_copy"] = summary["combine_gbs"]["mean"] / copy if copy else None
+    merged.data.update(summary)
+    if merged.status == Status.PASS:
+        merged.detail = (
+            f"dispatch {summary['dispatch_gbs']['mean']:.3g} GB/s, combine "
+            f"{summary['combine_gbs']['mean']:.3g} GB/s (mean of ranks); device copy "
+            f"{copy:.3g} GB/s"
+        )
+        if summary["dispatch_vs_copy"] is not None:
+            merged.detail += f"; dispatch/copy {summary['dispatch_vs_copy']:.2g}"
+        if "dispatch_rdma_gbs" in summary:
+            merged.detail += (
+                f"; dispatch NVLink {summary['dispatch_nvl_gbs']['mean']:.3g} + RDMA "
+                f"{summary['dispatch_rdma_gbs']['mean']:.3g} GB/s"
+            )
+        if datas[0].get("shared_gpu"):
+            merged.detail = f"{SHARED_GPU_LABEL}: {merged.detail}; --min-gbs not applied"
+
+
+def _bench(
+    rt: Runtime,
+    prepare: Callable[[int], Any],
+    fn: Callable[[Any], Any],
+    options: Options,
+    is_wrong: Callable[[int, Any], Any] | None,
+    collective: bool = True,
+) -> tuple[float, list[int]]:
+    """Median seconds of ``fn(prepare(i))`` after warm-up, and the calls ``is_wrong(i, out)``.
+
+    Call ``i``'s input is prepared before its timing starts, and its check is queued after its
+    end event, so neither is part of the timing.
+    """
+    import torch
+    import torch.distributed as dist
+
+    flags: list[Any] = []
+    calls = 0
+
+    def call() -> None:
+        nonlocal calls
+        out = fn(prepare(calls))
+        if is_wrong is not None:
+            flags.append(is_wrong(calls, out))
+        calls += 1
+
+    for _ in range(options.warmup):
+        call()
+    sync(rt)
+    if collective:
+        dist.barrier(group=rt.ctrl_group)
+    times: list[float] = []
+    for _ in range(options.iters):
+        inp = prepare(calls)
+        if rt.use_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(inp)
+            end.record()
+            if is_wrong is not None:
+                flags.append(is_wrong(calls, out))
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            out = fn(inp)
+            times.append(time.perf_counter() - t0)
+            if is_wrong is not None:
+                flags.append(is_wrong(calls, out))
+        calls += 1
+    sync(rt)
+    bad = [i for i, flag in enumerate(flags) if bool(flag)]
+    return statistics.median(times), bad

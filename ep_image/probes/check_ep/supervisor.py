@@ -1,0 +1,65 @@
+"""One rank's supervisor: it runs the backend in a watched child and speaks for it when the child
+does not finish.
+
+Why this module exists: a backend can crash, exit or hang, and under torchrun a peer's death
+tears every rank down; this process (which holds no CUDA state) turns each of these into a
+verdict: it posts how its child ended on the job's board, and on rank 0 it writes the table and
+the JSON report of a run that died, naming the rank and the step (``output.report_unfinished``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ep_image.probes import _supervise
+from ep_image.probes._report import exit_code_of
+from ep_image.probes.check_ep import output, worker
+from ep_image.probes.check_ep.board import Board
+from ep_image.probes.check_ep.ranks import RankEnv
+from ep_image.probes.check_ep.selection import select_backend
+from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, not_run
+
+
+def supervise(options: Options, env: RankEnv) -> int:
+    """Run the backend in a watched child; report a crash, early exit or hang as exit 3."""
+    sel = select_backend(options)
+    if sel.verdict is not None:
+        steps = [sel.verdict] + [not_run(n, sel.verdict) for n in STEP_NAMES[1:]]
+        return output.finish(options, env, sel, steps, {}, exit_code_of(steps, options.require))
+
+    if env.launched:
+        # This process talks to the job's store (torch's TCPStore): import torch once, before
+        # the fork, so the backend process inherits it instead of importing it again (no CUDA
+        # is touched here, so the fork stays safe).
+        import torch.distributed  # noqa: F401
+    serve = Board.must_serve(env.rank, env.world)
+    board_box: list[Board | None] = []
+
+    def peer_failed() -> bool:
+        if not board_box:  # joined lazily: the store may come up after the child starts
+            board_box.append(Board.connect(env.rank, env.world, serve, options.timeout))
+        board = board_box[0]
+        return board is not None and board.failures() > 0
+
+    watch = _supervise.Watch(step_deadline=options.timeout, peer_failed=peer_failed)
+    outcome = _supervise.run_supervised(lambda: worker.work(options, env, sel), watch)
+    if env.world > 1 and not board_box:
+        board_box.append(Board.connect(env.rank, env.world, serve, options.timeout))
+    board = board_box[0] if board_box else None
+    posted = {**outcome.to_json(), "time": time.time()}
+    if board is not None:
+        board.post(posted)
+    if outcome.how == "finished":
+        if board is not None and env.rank == 0 and serve:
+            board.read(wait=10.0)  # keep serving the store until every rank is done with it
+        return outcome.code
+    if env.rank != 0:
+        if outcome.how != "stopped":
+            if outcome.fault_log:
+                print(outcome.fault_log.rstrip(), file=sys.stderr)
+            print(f"{PROG}: rank {env.rank}: {outcome.how} during {outcome.step}", file=sys.stderr)
+        return outcome.code
+    outcomes = board.read(wait=5.0) if board is not None else {}
+    outcomes[env.rank] = posted
+    return output.report_unfinished(options, env, sel, outcome, outcomes)

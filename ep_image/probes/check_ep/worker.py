@@ -1,0 +1,131 @@
+"""The backend process of one rank: import torch and the backend, place the rank, build the
+process groups, run the steps, and (on rank 0) write the verdict.
+
+Why this module exists: this is the process the supervisor forks and watches, and the only part
+of check_ep that brings torch in; a usage error found only here (a GPU backend with
+``--device cpu``, NCCL communicators on a shared GPU) is still one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ep_image import cli
+from ep_image.probes import _supervise
+from ep_image.probes._report import EXIT_USAGE, Step, exit_code_of
+from ep_image.probes.check_ep import output
+from ep_image.probes.check_ep.layer import layer_sizes
+from ep_image.probes.check_ep.ranks import (
+    RankEnv,
+    agree_code,
+    connect_store,
+    decide_placement,
+    device_facts,
+    exchange,
+    init_distributed,
+    topology,
+)
+from ep_image.probes.check_ep.scenarios.catalogue import SCENARIO_TOKENS, scenario_seed
+from ep_image.probes.check_ep.types import PROG, Options, Selection, Shape
+
+
+def work(options: Options, env: RankEnv, sel: Selection) -> int:
+    """The supervised child: bad usage is still one line and exit 2 here."""
+    try:
+        return run_worker(options, env, sel)
+    except cli.UsageError as exc:
+        if env.rank == 0:
+            print(f"{PROG}: usage error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
+    """Import torch and the backend, place the rank, set up the groups, run the steps, report."""
+    _supervise.progress.update(backend=sel.name, current="import", steps=[])
+    # The torch side of check_ep (steps, checks, reference, adapters) is imported from here
+    # on only: the command line and the supervisor never load torch themselves.
+    import torch
+
+    from ep_image.probes.check_ep.adapters import plugins
+    from ep_image.probes.check_ep.steps import run_steps
+
+    backend_cls = (
+        plugins.load_backend_class(options.backend_class)
+        if options.backend_class
+        else plugins.BUILTIN[sel.name]
+    )
+    if sel.custom:
+        sel.name = backend_cls.name
+    backend = backend_cls()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # this rank's view
+    if backend.requires_gpu:
+        if options.device == "cpu":
+            raise cli.UsageError(
+                f"{backend.name} runs on GPUs only; drop --device cpu or use --backend torch"
+            )
+        wants_gpu = True
+    elif options.device == "cuda":
+        if gpus == 0:
+            raise cli.UsageError("--device cuda but no GPU is visible; use --device cpu")
+        wants_gpu = True
+    else:
+        wants_gpu = options.device == "auto" and gpus > 0
+    store = connect_store(env, options.timeout)
+    facts = exchange(env, store, "place", device_facts(env, wants_gpu), options.timeout)
+    placement = decide_placement(facts, env.rank, wants_gpu, options.ranks_per_gpu)
+    try:
+        layout = topology(facts)
+    except ValueError as exc:
+        raise cli.UsageError(str(exc)) from None
+    if placement.shared and backend.needs_nccl_group:
+        raise cli.UsageError(
+            f"{backend.name} builds NCCL communicators, and NCCL refuses two ranks on one GPU: "
+            "run one rank per GPU (drop --ranks-per-gpu, or start at most as many ranks as "
+            "GPUs)"
+        )
+    # The shape of the device the rank actually got: a GPU backend on a machine without one
+    # runs (and is reported) on the CPU shape.
+    sizes = layer_sizes(options, placement.use_gpu, env.world)
+    dtype_name = options.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if backend.requires_gpu or wants_gpu else "float32"
+    if dtype_name not in backend.dtypes:
+        raise cli.UsageError(
+            f"{backend.name} dispatches {', '.join(backend.dtypes)} only, not {dtype_name}"
+        )
+
+    rt = init_distributed(env, placement, options.timeout, store)
+    rt.node_of_rank = [r["node"] for r in layout["ranks"]]
+    shape = Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
+    meta = {
+        "device": str(rt.device),
+        "dtype": dtype_name,
+        "shape": sizes,
+        "seed": options.seed,
+        "scenarios": {
+            "selected": list(options.scenarios),
+            "tokens_per_rank": min(sizes["tokens"], SCENARIO_TOKENS),
+            "seeds": {n: scenario_seed(options.seed, n) for n in options.scenarios},
+        },
+        "ranks_per_gpu": placement.ranks_per_gpu,
+        "shared_gpu": placement.shared,
+        "process_group": placement.group_backend,
+        "topology": layout,
+    }
+    _supervise.progress.update(backend=sel.name, meta=meta)
+    steps: list[Step] = []
+    try:
+        steps = run_steps(rt, sel, backend, shape, options)
+    finally:
+        try:
+            backend.destroy()
+        except Exception as exc:  # a failing destroy must not hide the verdict
+            print(f"{PROG}: rank {env.rank}: backend destroy failed: {exc}", file=sys.stderr)
+    code = agree_code(rt, exit_code_of(steps, options.require))
+    try:
+        return output.finish(options, env, sel, steps, meta, code)
+    finally:
+        import torch.distributed as dist
+
+        dist.barrier(group=rt.ctrl_group)
+        dist.destroy_process_group()
