@@ -12,19 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Targets that are written elsewhere, with their data, and may not exist yet. A link to one
 #: passes while the target is absent; once it exists it is checked like any other.
 PENDING: dict[str, str] = {}
-
-#: README.md is rewritten on another branch, which also moves its links from docs/results/ to
-#: evidence/. Until that lands, README's links under the old prefix are checked at the new one
-#: (file and heading), so a wrong one still fails; test_readme_links_name_the_evidence_folder
-#: (a strict xfail) turns into a failure once README is updated: then delete this and that test.
-README_MOVED = ("docs/results/", "evidence/")
 
 LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~)")
@@ -88,8 +80,6 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
         if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
-        if page == root / "README.md" and path.startswith(README_MOVED[0]):
-            path = README_MOVED[1] + path.removeprefix(README_MOVED[0])
         where = f"{page.relative_to(root)}:{number}: {target}"
         resolved = (page.parent / path).resolve() if path else page
         if not resolved.is_relative_to(root):
@@ -123,10 +113,6 @@ def test_the_evidence_index_links_every_dated_folder() -> None:
         assert (folder / "README.md").resolve() in linked, f"the index does not link {folder.name}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README.md's rewrite (another branch) moves its links from docs/results/ to evidence/",
-)
 def test_readme_links_name_the_evidence_folder() -> None:
     stale = [
         f"README.md:{n}: {t}" for n, t in links(ROOT / "README.md") if t.startswith("docs/results")
