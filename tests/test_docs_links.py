@@ -138,19 +138,3 @@ def test_the_check_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) ->
     assert len(problems) == 2, problems
     assert problems[0].endswith("no-such-page.md (no such file)")
     assert problems[1].endswith("(no heading #no-such-heading in docs/other.md)")
-
-
-def test_readmes_links_under_the_old_prefix_are_checked_at_the_new_one(tmp_path: Path) -> None:
-    """While README.md still names docs/results/, its links are checked under evidence/:
-    a page or heading missing there is reported."""
-    (tmp_path / "evidence" / "run").mkdir(parents=True)
-    (tmp_path / "evidence" / "run" / "README.md").write_text("# Run\n\n## Results\n")
-    readme = tmp_path / "README.md"
-    readme.write_text(
-        "[ok](docs/results/run/README.md#results) [bad](docs/results/run/README.md#nope)\n"
-        "[bad](docs/results/gone/README.md)\n"
-    )
-    problems = broken_links(readme, tmp_path)
-    assert len(problems) == 2, problems
-    assert problems[0].endswith("(no heading #nope in evidence/run/README.md)")
-    assert problems[1].endswith("docs/results/gone/README.md (no such file)")
