@@ -300,3 +300,49 @@ def test_te_exception_is_unusable_with_the_cudnn_fix() -> None:
     with pytest.raises(check_te.StepFailed) as caught, check_te._te_call("te.Linear forward"):
         raise ValueError("shape mismatch")
     assert caught.value.hint == ""
+
+
+# ---------------------------------------------------------------------------------------
+# torch itself refusing the loaded cuDNN: the verdict still names built and loaded
+# ---------------------------------------------------------------------------------------
+
+STEP_CUDNN = """
+import json, sys
+from ep_image.probes import check_te
+from ep_image.probes._report import StepFailed
+try:
+    step = check_te.step_cudnn(sys.argv[1])
+    print(json.dumps(step.to_json()))
+except StepFailed as exc:
+    print(json.dumps({"status": exc.status.value, "detail": exc.detail, "hint": exc.hint}))
+"""
+
+
+@pytest.mark.slow
+def test_torch_refusing_the_loaded_cudnn_still_names_built_and_loaded(tmp_path: Path) -> None:
+    """A venv holding the lock's torch (compiled against cuDNN 9.24) with an older cuDNN wheel
+    in its place: torch refuses it ("compiled against ... but found runtime version ..."), and
+    the cudnn step still says TE was built against 9.24, which cuDNN is loaded and from where,
+    and the fix (seen on an H200 with 9.19; CPU here, the refusal needs no GPU)."""
+    torch_version = metadata.version("torch")
+    venv = tmp_path / "venv"
+    subprocess.run(["uv", "venv", "-q", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run(["uv", "pip", "install", "-q", "--python", python, f"torch=={torch_version}"],
+                   check=True, timeout=900)  # fmt: skip
+    older = "nvidia-cudnn-cu13==9.14.0.64"
+    subprocess.run(["uv", "pip", "install", "-q", "--python", python, "--no-deps", "--reinstall",
+                    older], check=True, timeout=900)  # fmt: skip
+    record = tmp_path / "te-build.json"
+    record.write_text(json.dumps({"skipped": False, "cudnn_version": "9.24.0"}))
+    proc = subprocess.run(
+        [python, "-c", STEP_CUDNN, str(record)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    step = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert step["status"] == "fail", step
+    assert "torch refuses the loaded cuDNN" in step["detail"], step["detail"]
+    assert "TE was built against cuDNN 9.24.0" in step["detail"]
+    assert "cuDNN 9.14.0 from" in step["detail"] and str(venv) in step["detail"]
+    assert "scripts/build_te.py" in step["hint"] and "active-cudnn" in step["hint"]

@@ -225,14 +225,48 @@ def step_import() -> tuple[Step, Any]:
     return step, te
 
 
+def torch_loads_cudnn() -> str | None:
+    """Make torch load its cuDNN, as training would; torch's own refusal of it (it compares the
+    cuDNN it was compiled against with the one it finds) as text, None when it takes it."""
+    import torch
+
+    try:
+        torch.backends.cudnn.version()
+    except RuntimeError as exc:
+        return one_line(str(exc))
+    return None
+
+
+def with_torch_refusal(
+    verdict: tuple[Status, str, str, dict[str, Any]], refusal: str | None
+) -> tuple[Status, str, str, dict[str, Any]]:
+    """``verdict`` (compare_cudnn's) when torch took the loaded cuDNN; when torch refused it,
+    a failure that still names the cuDNN TE was built against and the one loaded, and the fix
+    for both (torch and TE need the cuDNN the lock installs)."""
+    status, detail, _hint, data = verdict
+    if refusal is None:
+        return verdict
+    data["torch_refuses"] = refusal
+    built = data.get("built") or "unknown (no build record)"
+    loaded = f"{data.get('loaded')} from {data.get('loaded_path')}"
+    return (
+        Status.FAIL,
+        f"torch refuses the loaded cuDNN ({refusal}); TE was built against cuDNN {built}, "
+        f"cuDNN {loaded} is loaded" + (f"; {detail}" if status is not Status.PASS else ""),
+        "load the cuDNN the lock installs, which torch and TE were built against (the image's "
+        "/opt/venvs/active-cudnn: CUDNN_PATH and LD_LIBRARY_PATH as the image sets them; in a "
+        "venv its nvidia/cudnn/lib first on LD_LIBRARY_PATH), or rebuild TE and use a torch "
+        "built against the loaded cuDNN (python3 scripts/build_te.py)",
+        data,
+    )
+
+
 def step_cudnn(build_info_path: str) -> Step:
     with timed_step("cudnn") as step:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.backends.cudnn.version()  # makes torch load its cuDNN, as training would
+        refusal = torch_loads_cudnn()
         info = _facts.read_json_file(build_info_path)
-        status, detail, hint, data = compare_cudnn(info, build_info_path, _facts.loaded_cudnn())
+        verdict = compare_cudnn(info, build_info_path, _facts.loaded_cudnn())
+        status, detail, hint, data = with_torch_refusal(verdict, refusal)
         dist = _facts.dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
         data["cudnn_dist"] = f"{dist[0]} {dist[1]}" if dist else None
         step.data = data
@@ -401,7 +435,15 @@ def run(args: argparse.Namespace) -> int:
     steps: list[Step] = []
     imp, te = step_import()
     steps.append(imp)
-    if imp.status != Status.PASS:
+    if imp.status == Status.ERROR:
+        # TE is there but does not load: which cuDNN it was built against and which one is
+        # loaded is still the answer (torch refusing the loaded cuDNN stops TE's import).
+        steps.append(step_cudnn(build_info_path))
+        steps += [
+            Step(n, Status.NOT_RUN, detail=f"not run: import ended '{imp.status.value}'")
+            for n in STEP_NAMES[2:]
+        ]
+    elif imp.status != Status.PASS:
         steps += [
             Step(n, Status.NOT_RUN, detail=f"not run: import ended '{imp.status.value}'")
             for n in STEP_NAMES[1:]
