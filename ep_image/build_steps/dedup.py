@@ -74,8 +74,7 @@ def resolve_roots(roots: Iterable[str | Path]) -> tuple[list[Path], int]:
         if str(path) in SYSTEM_TREES:
             raise DedupError(
                 f"{root} is {path}, a system tree, not a tree of venvs. Nothing was changed.",
-                "give the venvs' directories as ROOTs (e.g. /opt/venvs/deepep_v1 "
-                "/opt/venvs/hybridep)",
+                "give the venvs' directories as ROOTs (e.g. /opt/venvs/BACKEND, one per venv)",
             )
         resolved.append(path)
     devices = {path: os.stat(path).st_dev for path in resolved}

@@ -38,7 +38,6 @@ from ep_image.backends.hybridep.kernel_files import (
     place,
     published_sha,
     sha256,
-    untrusted,
     valid_kernel,
     write_record,
 )
@@ -50,6 +49,7 @@ from ep_image.backends.hybridep.proc_dirs import (
     read_marker,
     remove_tree,
 )
+from ep_image.trust import untrusted, untrusted_cache
 
 CACHE_ENV = "EP_HYBRIDEP_JIT_CACHE"
 DEFAULT_CACHE = "/var/cache/ep-jit/hybrid_ep"
@@ -303,14 +303,9 @@ _TRUST_FIX = (
 
 def _refuse_foreign(root: Path) -> None:
     """CacheOff when the cache directory, or the one holding it, lets another user plant or
-    swap kernels (a sticky directory such as /tmp may hold it: nobody else can rename it)."""
-    for path, follow in ((root.parent, True), (root, True)):
-        if not path.exists():
-            continue
-        why = untrusted(path, follow=follow)
-        sticky_parent = path == root.parent and os.stat(path).st_mode & 0o1000
-        if why is not None and not (sticky_parent and "others can write" in why):
-            raise CacheOff(f"{why}: its kernels could be anyone's. {_TRUST_FIX}")
+    swap kernels (a sticky directory such as /tmp may hold it)."""
+    if (why := untrusted_cache(root)) is not None:
+        raise CacheOff(f"{why}: its kernels could be anyone's. {_TRUST_FIX}")
 
 
 def _prepare(

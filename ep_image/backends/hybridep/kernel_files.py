@@ -14,11 +14,12 @@ import json
 import os
 import re
 import secrets
-import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ep_image.trust import untrusted
 
 #: A publisher's temporary file older than this was abandoned (a copy takes milliseconds).
 TMP_MAX_AGE_S = 3600.0
@@ -67,19 +68,6 @@ def valid_kernel(path: Path) -> bool:
 #: Beside each kernel this cache published: its sha256, written by the publisher after the
 #: kernel is in place. A kernel without one (or whose bytes do not match it) is not loaded.
 PUBLISHED = ".published"
-
-
-def untrusted(path: Path, *, follow: bool = False) -> str | None:
-    """Why ``path`` may hold code that is not this user's or root's, or None: it must be owned
-    by this user or by root and be writable by nobody else (kernels are loaded into the job)."""
-    st = os.stat(path) if follow else os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symbolic link"
-    if st.st_uid not in (os.geteuid(), 0):
-        return f"{path} belongs to uid {st.st_uid}, neither this user nor root"
-    if st.st_mode & 0o022:
-        return f"others can write {path} (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
 
 
 def sha256(path: Path) -> str:

@@ -1,0 +1,44 @@
+"""Whether a file or directory may hold code this process is about to load: only this user's or
+root's, and writable by nobody else.
+
+Why: JIT caches (HybridEP's, DeepEP v2's) hold compiled kernels that a process dlopens; a cache
+another user can write lets that user run code in every job that uses it. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+def untrusted(path: Path, *, follow: bool = False) -> str | None:
+    """Why ``path`` may hold code that is not this user's or root's, or None: it must be owned
+    by this user or by root and be writable by nobody else."""
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to uid {st.st_uid}, neither this user nor root"
+    if st.st_mode & 0o022:
+        return f"others can write {path} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def untrusted_cache(root: Path) -> str | None:
+    """Why a cache directory (existing or about to be made) is not safe to load kernels from,
+    or None: the directory itself, else the nearest ancestor that exists, must be trusted; the
+    one holding it may be writable by others only when sticky (/tmp: nobody else can rename or
+    replace what is ours there)."""
+    path = root
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if (why := untrusted(path, follow=True)) is not None:
+        return why
+    parent = path.parent
+    if parent != path and parent.exists():
+        st = os.stat(parent)
+        why = untrusted(parent, follow=True)
+        if why is not None and not (st.st_mode & stat.S_ISVTX and "others can write" in why):
+            return why
+    return None
