@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         usage="python3 scripts/bootstrap.py [--tests] [--shell | -- COMMAND [ARG...]]",
         epilog=(
             'Put uv on PATH in this shell: eval "$(python3 scripts/bootstrap.py --shell)". '
-            "Run one command with it: python3 scripts/bootstrap.py -- uv sync --extra deepep_v2."
+            "Run one command with it: python3 scripts/bootstrap.py -- uv sync --extra BACKEND."
         ),
     )
     parser.add_argument(
