@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from ep_image.backends._spec import (
     INTERNODE_CHECKS,
@@ -107,6 +108,12 @@ class RegistryError(RuntimeError):
 def spec(name: str) -> BackendSpec:
     """The spec of backend ``name`` (validated)."""
     return _SPECS_BY_NAME[validate_backend(name)]
+
+
+def module_of(name: str, part: str) -> ModuleType:
+    """A module a backend's package holds beside its SPEC (HybridEP's ``jit_cache``), found
+    through the registry, so that code driving a ``deep_ep`` API names no backend itself."""
+    return importlib.import_module(f"{__name__}.{validate_backend(name)}.{part}")
 
 
 def valid_names_text() -> str:

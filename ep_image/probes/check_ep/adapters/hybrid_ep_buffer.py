@@ -3,7 +3,7 @@ API, and its translation between top-k indices and routing maps.
 
 Why this module exists: HybridEP takes and returns a routing map (token x expert) where the other
 backends speak top-k indices; the adapter translates both ways so the same checks apply, and
-keeps HybridEP's JIT kernels across processes (``ep_image.backends.hybridep.jit_cache``).
+keeps HybridEP's JIT kernels across processes (the backend's ``jit_cache`` module).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ep_image.backends.hybridep import jit_cache as hybridep_jit
+from ep_image import backends as registry
 from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.adapters.deep_ep_common import (
     RowsHandle,
@@ -52,8 +52,8 @@ class HybridEPBackend(EPBackend):
         self.shape = shape
         self.local = shape.local_experts(group.size())
         # Kernels compiled by earlier processes, from EP_HYBRIDEP_JIT_CACHE: HybridEP itself
-        # compiles into a directory of this process's own (ep_image/backends/hybridep/jit_cache.py).
-        self.jit = hybridep_jit.prepare(
+        # compiles into a directory of this process's own (the backend's jit_cache module).
+        self.jit = registry.module_of(self.name, "jit_cache").prepare(
             arch=torch.cuda.get_device_capability(),
             package_dir=os.path.dirname(self.deep_ep.__file__),
         )
