@@ -297,3 +297,28 @@ def test_a_buffer_that_needs_numpy_where_there_is_none_names_numpy(check_ep, tmp
     assert "install numpy" in buffer["hint"] and "make_venv" in buffer["hint"], buffer
     passing = check_ep(*backend("GathersObjectsInBuffer"), *SMALL, *QUICK, nproc=2)
     assert passing.proc.returncode == 0, passing.output
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_jit_cache_others_can_write_is_refused_before_any_kernel_runs(
+    check_ep, tmp_path, mode: int
+) -> None:
+    """A backend that loads compiled kernels from a directory others can write (DeepEP v2's
+    EP_JIT_CACHE_DIR pointing at a shared 0777 directory drew no warning): unusable, exit 3,
+    at prerequisites, with the fix, and no buffer is made."""
+    cache = tmp_path / "open-cache"
+    cache.mkdir()
+    cache.chmod(mode)
+    env = clean_env(EP_TEST_JIT_CACHE=str(cache / "deep_ep"))
+    run = check_ep(*backend("LoadsKernelsFromAnOpenCache"), *SMALL, *QUICK, env=env)
+    assert run.proc.returncode == 3, run.output
+    prereq = run.step("prerequisites")
+    assert prereq["status"] == "error"
+    assert f"others can write {cache}" in prereq["detail"], prereq
+    assert "EP_JIT_CACHE_DIR" in prereq["hint"]
+    assert run.statuses()["buffer"] == "not run"
+    cache.chmod(0o755)
+    assert (
+        check_ep(*backend("LoadsKernelsFromAnOpenCache"), *SMALL, *QUICK, env=env).proc.returncode
+        == 0
+    )

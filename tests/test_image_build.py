@@ -500,7 +500,7 @@ def test_the_probe_files_run_from_the_images_workdir(buildah: Buildah, multi_bui
     )
     out = buildah.run_in(multi_build.image, script)
     assert "PWD /opt/ep-image" in out
-    assert "HELP-RC 0" in out and "usage: check_ep" in out, out
+    assert "HELP-RC 0" in out and "usage: check-ep" in out, out
     assert "ENV-RC 0" in out, out
     assert "ENV-PY /opt/venvs/active/bin/python" in out, out
 

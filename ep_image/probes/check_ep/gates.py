@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ep_image import trust
 from ep_image.probes import _backend_detect, _facts
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep.adapters.base import EPBackend
@@ -124,6 +125,7 @@ def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
             problems.append((Status.SKIP, f"{backend.name} cannot run on {where}", why_not))
         if backend.jit_compiles:
             _check_cuda_home(backend, data, notes, problems)
+        _check_jit_cache(backend, data, problems)
         _check_nccl(rt, backend, data, notes, problems)
         _report_nvshmem(backend, data, notes)
         _report_cxx_runtime(backend, data, notes)
@@ -169,6 +171,26 @@ def _check_gpus(
             f"{place.group_backend} group): functional check, bandwidth is not a link figure"
         )
     notes.append(text)
+
+
+def _check_jit_cache(backend: EPBackend, data: dict[str, Any], problems: Problems) -> None:
+    """A JIT cache the backend loads kernels from must be nobody else's to write: otherwise
+    whoever can write it runs code in this job (and in every job that uses it)."""
+    where = backend.jit_cache_dir()
+    if where is None:
+        return
+    why = trust.untrusted_cache(where)
+    data["jit_cache_trusted"] = why is None
+    if why is not None:
+        problems.append(
+            (
+                Status.ERROR,
+                f"{backend.name} loads its JIT kernels from {where}, and {why}: kernels planted "
+                "there would run in this job",
+                "chown it to this user (or root) and chmod go-w it, or point EP_JIT_CACHE_DIR "
+                "at a directory only you (or root) can write",
+            )
+        )
 
 
 def _check_cuda_home(

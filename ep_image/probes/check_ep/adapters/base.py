@@ -29,6 +29,7 @@ annotations name torch's types only.
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ep_image.probes.check_ep.types import Dispatched, Shape
@@ -71,6 +72,11 @@ class EPBackend(abc.ABC):
     def load(self) -> dict[str, Any]:
         """Import what the backend needs; return facts for the report (module path...)."""
         return {}
+
+    def jit_cache_dir(self) -> Path | None:
+        """Where the backend loads compiled kernels from across processes, if anywhere: such a
+        directory must be writable by nobody but this user or root (gates.py checks it)."""
+        return None
 
     def unsupported(self, world: int, local_world: int) -> str | None:
         """Why it cannot run on ``world`` ranks, ``local_world`` per node (None: it can)."""

@@ -9,6 +9,7 @@ and whether NCCL GIN is on.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,13 +25,19 @@ from ep_image.probes.check_ep.adapters.deep_ep_common import (
 from ep_image.probes.check_ep.types import Dispatched, Shape
 
 
-def jit_cache_facts(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """DeepEP v2's JIT cache before this run: where (EP_JIT_CACHE_DIR, else ~/.deep_ep), how
-    many kernels it holds. An empty one means minutes of compiling at first dispatch; a
-    container that keeps it (a volume, the image's EP_JIT_CACHE_DIR) pays that once."""
+def jit_cache_path(env: dict[str, str] | None = None) -> str:
+    """Where DeepEP v2 keeps its compiled kernels: EP_JIT_CACHE_DIR, else ~/.deep_ep."""
     env = dict(os.environ if env is None else env)
     home = env.get("HOME") or os.path.expanduser("~")
-    where = env.get("EP_JIT_CACHE_DIR") or os.path.join(home, ".deep_ep")
+    return env.get("EP_JIT_CACHE_DIR") or os.path.join(home, ".deep_ep")
+
+
+def jit_cache_facts(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """DeepEP v2's JIT cache before this run: where, how many kernels it holds. An empty one
+    means minutes of compiling at first dispatch; a container that keeps it (a volume, the
+    image's EP_JIT_CACHE_DIR) pays that once."""
+    env = dict(os.environ if env is None else env)
+    where = jit_cache_path(env)
     files, size = 0, 0
     for root, _dirs, names in os.walk(where):
         for name in names:
@@ -61,6 +68,9 @@ class DeepEPv2Backend(EPBackend):
     jit_compiles = True
     min_nccl = (2, 30)
     needs_nccl_group = True
+
+    def jit_cache_dir(self) -> Path | None:
+        return Path(jit_cache_path())
 
     def load(self) -> dict[str, Any]:
         self.deep_ep = import_deep_ep()
