@@ -1,6 +1,6 @@
 #!/bin/bash
-# On the H200, once every part is here: the image's root file system unpacked into /tmp/rootfs,
-# every regular file checked against the image's manifest (sha256 of each file, written from the
+# On the H200, once every part is here: waits for h200-unpack.sh to finish /tmp/rootfs, checks
+# every regular file against the image's manifest (sha256 of each file, written from the
 # image in buildah's storage), then set up as a container runtime sets up a container: the
 # host's /dev, /proc, /sys and the driver (/usr/local/nvidia, read-only) mounted in, and, as
 # `docker run --network host` does, the host's /etc/hosts and /etc/hostname. Nothing else of
@@ -9,14 +9,10 @@
 set -euo pipefail
 R=/tmp/rootfs I=/tmp/img
 cd "$I"
-have=$(find . -name 'rootfs.tar.zst.*.ok' | wc -l) want=$(wc -l < SHA256SUMS)
-[ "$have" = "$want" ] || { echo "enter: $have of $want parts here" >&2; exit 1; }
+until [ -e unpack.rc ]; do sleep 1; done
+cat unpack.log
+[ "$(cat unpack.rc)" = 0 ] || exit 1
 zstd=$(command -v zstd || echo "$I/zstd")
-start=$(date +%s)
-mkdir -p "$R"
-cat rootfs.tar.zst.[0-9][0-9][0-9] | "$zstd" -d --long=31 -q -c | tar -C "$R" --numeric-owner -xpf -
-echo "unpacked in $(( $(date +%s) - start )) s: $(du -sh --apparent-size "$R" | cut -f1) apparent"
-rm -f rootfs.tar.zst.[0-9][0-9][0-9]
 start=$(date +%s)
 "$zstd" -d -q -c manifest.sha256.zst > manifest.sha256
 split -n l/16 manifest.sha256 manifest.chunk.

@@ -23,11 +23,6 @@ lane_v2_te() {  # the default backend (active without EP_BACKEND) and TE
   run upstream-deepep_v2-w1-gin -- probes/upstream_test.py --backend deepep_v2 \
     --tests $U/DeepEP-dd758caf/tests --commit $V2 --num-processes 1 --shape deepseek-v3 \
     --timeout 500 --json $J/upstream-deepep_v2-w1-gin.json -- --skip-perf-test
-  # The cuDNN ordering removed on purpose: no CUDNN_PATH/CUDNN_HOME, the venv's cuDNN not first
-  # on LD_LIBRARY_PATH (the base image's own entries only). The verdict must name both cuDNNs.
-  run check_te-no-ordering CUDNN_PATH= CUDNN_HOME= \
-    LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64 -- \
-    probes/check_te.py --require --json $J/check_te-no-ordering.json
 }
 
 lane_v1() {
@@ -60,9 +55,26 @@ lane_switch() {  # use-ep --activate inside one container: the probe follows the
     eval "$(use-ep --activate deepep_v2)"; readlink /opt/venvs/active; exit $rc'
 }
 
+lane_no_ordering() {  # the cuDNN ordering removed on purpose, after every other run
+  # 1. The environment's part gone: no CUDNN_PATH/CUDNN_HOME, the venv's cuDNN not on
+  #    LD_LIBRARY_PATH (the base image's own entries only); the image's ld.so.conf.d entry stays.
+  run check_te-no-env-ordering CUDNN_PATH= CUDNN_HOME= \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64 -- \
+    probes/check_te.py --require --json $J/check_te-no-env-ordering.json
+  # 2. All of it gone: also the loader's entry that puts the venv's cuDNN ahead of the base
+  #    image's (/etc/ld.so.conf.d/000-ep-venv-cudnn.conf), then put back.
+  local conf=/tmp/rootfs/etc/ld.so.conf.d/000-ep-venv-cudnn.conf
+  mv "$conf" /tmp/r/000-ep-venv-cudnn.conf && chroot /tmp/rootfs ldconfig
+  run check_te-no-ordering CUDNN_PATH= CUDNN_HOME= \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64 -- \
+    probes/check_te.py --require --json $J/check_te-no-ordering.json
+  mv /tmp/r/000-ep-venv-cudnn.conf "$conf" && chroot /tmp/rootfs ldconfig
+}
+
 lane_v2_te > /tmp/r/lane-v2-te.out 2>&1 &
 lane_v1 > /tmp/r/lane-v1.out 2>&1 &
 lane_hybridep > /tmp/r/lane-hybridep.out 2>&1 &
 wait
 lane_switch > /tmp/r/lane-switch.out 2>&1
+lane_no_ordering > /tmp/r/lane-no-ordering.out 2>&1
 touch /tmp/r/probes.done
