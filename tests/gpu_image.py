@@ -119,6 +119,18 @@ def stage_times(log: list[str]) -> dict[str, float]:
     }
 
 
+def context_state() -> dict[str, object]:
+    """The commit the build context is at, and whether what the image is built from differs
+    from it (uncommitted changes under the paths the Dockerfile copies)."""
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    paths = ["ep_image", "probes", "scripts", "docker", "pyproject.toml", "uv.lock"]
+    status = subprocess.run(
+        [*git, "status", "--porcelain", "--", *paths], capture_output=True, text=True
+    )
+    return {"commit": commit.stdout.strip(), "context_dirty": bool(status.stdout.strip())}
+
+
 def build(args: argparse.Namespace) -> int:
     buildah = buildah_here()
     base = standin_image(buildah)
@@ -136,103 +148,99 @@ def build(args: argparse.Namespace) -> int:
         build_args["TE_SOURCE"] = args.te_source
     mirrors = dict(m.split("=", 1) for m in args.mirror)
     tag = f"localhost/ep-image:{args.ep}"
+    context = context_state()
     with git_daemon({k: Path(v) for k, v in mirrors.items()}) as gitconfig:
         result = buildah.bud(
             tag, build_args, f"gpu-image-{args.ep}", secrets={"gitconfig": gitconfig}
         )
     timed = (buildah.logs / f"gpu-image-{args.ep}.log").read_text().splitlines()
-    for name, seconds in stage_times(timed).items():
+    stages = stage_times(timed)
+    for name, seconds in stages.items():
         print(f"STAGE {name} {seconds:.0f} s")
     print(f"BUILD {args.ep} rc={result.returncode} {result.seconds:.0f} s")
     if result.returncode != 0:
         print("\n".join(result.log[-60:]), file=sys.stderr)
         return 1
-    image_id = buildah("inspect", "--format", "{{.FromImageID}}", tag).stdout.strip()
+    image_id = json.loads(buildah("inspect", tag).stdout)["FromImageID"]
     print(f"IMAGE {tag} {image_id} {buildah.size(tag)}")
+    record = {
+        "image": tag,
+        "image_id": image_id,
+        "build_args": build_args,
+        **context,
+        "build_seconds": round(result.seconds),
+        "stage_seconds": stages,
+    }
+    (STORE / f"build-{args.ep}.json").write_text(json.dumps(record, indent=2) + "\n")
     return 0
+
+
+def walk(rootfs: Path) -> list[tuple[int, str]]:
+    """(size, path) of every entry but directories, symlinks to directories included."""
+    files = []
+    for dirpath, dirs, names in os.walk(rootfs):
+        dirs.sort()
+        links = [d for d in dirs if (Path(dirpath) / d).is_symlink()]  # not walked into
+        for name in sorted(names + links):
+            st = (Path(dirpath) / name).lstat()
+            size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            files.append((size, str((Path(dirpath) / name).relative_to(rootfs))))
+    return sorted(files)
+
+
+def manifest_lines(rootfs: Path, files: list[tuple[int, str]]) -> list[str]:
+    """``sha256sum`` lines of every regular file (hardlinked files read once)."""
+    lines, digests = [], {}
+    for _size, rel in files:
+        st = (rootfs / rel).lstat()
+        if stat.S_ISREG(st.st_mode):
+            key = (st.st_dev, st.st_ino)
+            if key not in digests:
+                digests[key] = hashlib.sha256((rootfs / rel).read_bytes()).hexdigest()
+            lines.append(f"{digests[key]}  ./{rel}\n")
+    return lines
 
 
 def export(args: argparse.Namespace) -> int:
     buildah = buildah_here()
-    tag = f"localhost/ep-image:{args.ep}"
+    tag = args.image or f"localhost/ep-image:{args.ep}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    image_id = buildah("inspect", "--format", "{{.FromImageID}}", tag).stdout.strip()
-    config = json.loads(buildah("inspect", "--format", "{{json .OCIv1.Config}}", tag).stdout)
+    inspected = json.loads(buildah("inspect", tag).stdout)
+    image_id, config = inspected["FromImageID"], inspected["OCIv1"].get("config", {})
     with buildah.mounted(tag) as rootfs:
-        files: list[tuple[int, str]] = []  # (size, path): every entry but directories
-        for dirpath, dirs, names in os.walk(rootfs):
-            dirs.sort()
-            links = [d for d in dirs if (Path(dirpath) / d).is_symlink()]  # not walked into
-            for name in sorted(names + links):
-                path = Path(dirpath) / name
-                st = path.lstat()
-                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
-                files.append((size, str(path.relative_to(rootfs))))
-        manifest, digests = [], {}
-        for _size, rel in sorted(files):
-            st = (rootfs / rel).lstat()
-            if stat.S_ISREG(st.st_mode):
-                key = (st.st_dev, st.st_ino)  # the venvs' hardlinked files are read once
-                if key not in digests:
-                    digests[key] = hashlib.sha256((rootfs / rel).read_bytes()).hexdigest()
-                manifest.append(f"{digests[key]}  ./{rel}\n")
+        files = walk(rootfs)
+        manifest = manifest_lines(rootfs, files)
         subprocess.run(
             ["zstd", "-q", "-19", "-f", "-o", str(out / "manifest.sha256.zst")],
             input="".join(manifest).encode(),
             check=True,
         )
+        image_lock = rootfs / "opt/ep-image/uv.lock"
+        lock = hashlib.sha256(image_lock.read_bytes()).hexdigest() if image_lock.is_file() else None
         listing = out / "files.txt"
-        listing.write_text("".join(f"./{rel}\n" for _, rel in sorted(files)))
+        listing.write_text("".join(f"./{rel}\n" for _, rel in files))
         # Directories first (their modes and owners), then every file by size.
-        tar = subprocess.Popen(
-            [
-                "bash",
-                "-c",
-                f"set -o pipefail; tar -C {rootfs} --numeric-owner --no-recursion "
-                f"-cf - --files-from <(cd {rootfs} && find . -type d | sort) "
-                f"--files-from {listing} | zstd -{args.level} -T0 --long=31 -q -c "
-                f"| split -b {PART_BYTES} -d -a 3 - {out}/rootfs.tar.zst.",
-            ],
+        script = (
+            f"set -o pipefail; tar -C {rootfs} --numeric-owner --no-recursion -cf - "
+            f"--files-from <(cd {rootfs} && find . -type d | sort) --files-from {listing} "
+            f"| zstd -{args.level} -T0 --long=31 -q -c "
+            f"| split -b {PART_BYTES} -d -a 3 - {out}/rootfs.tar.zst."
         )
-        if tar.wait() != 0:
+        if subprocess.run(["bash", "-c", script]).returncode != 0:
             return 1
     parts = sorted(out.glob("rootfs.tar.zst.*"))
     (out / "SHA256SUMS").write_text(
         "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in parts)
     )
-    lock = hashlib.sha256((ROOT / "uv.lock").read_bytes()).hexdigest()
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = bool(
-        subprocess.run(
-            [
-                "git",
-                "-C",
-                str(ROOT),
-                "status",
-                "--porcelain",
-                "--",
-                "ep_image",
-                "probes",
-                "scripts",
-                "docker",
-                "pyproject.toml",
-                "uv.lock",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
+    built = STORE / f"build-{args.ep}.json"
     record = {
         "image": tag,
         "image_id": image_id,
         "ep": args.ep,
         "uv_lock_sha256": lock,
         "config": {k: config.get(k) for k in ("Env", "WorkingDir", "Entrypoint", "Cmd")},
-        "commit": commit,
-        "context_dirty": dirty,
+        "build": json.loads(built.read_text()) if built.is_file() and not args.image else None,
         "image_bytes": buildah.size(tag),
         "files": len(manifest),
         "parts": len(parts),
@@ -266,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--ep", default="all")
     e.add_argument("--out", required=True)
     e.add_argument("--level", type=int, default=12)
+    e.add_argument("--image", help="export this image instead of the one --ep names")
     args = parser.parse_args(argv)
     if os.geteuid() != 0 or shutil.which("buildah") is None:
         parser.error("run as root with buildah installed (scripts/bootstrap.py --tests)")
