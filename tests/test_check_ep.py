@@ -156,10 +156,17 @@ def test_torch_backend_bf16_under_torchrun(tmp_path: Path) -> None:
     [
         ("WrongCombine", 4, "dispatch_combine", None, "does not return the top-k weighted sum"),
         ("LostTokens", 2, "dispatch_combine", None, "expected"),
-        # Every scenario dispatches again, so the changing shapes show there too.
-        ("NondeterministicRouting", 2, "replay", ["replay", "scenarios"], "different shapes"),
-        # Every scenario checks combine_backward on its own.
-        ("WrongGradient", 2, "backward", ["backward", "scenarios"], "gradient"),
+        # The precision step and every scenario dispatch again, so the changing shapes show
+        # there too.
+        (
+            "NondeterministicRouting",
+            2,
+            "replay",
+            ["replay", "precision", "scenarios"],
+            "different shapes",
+        ),
+        # The precision step and every scenario check combine_backward on its own.
+        ("WrongGradient", 2, "backward", ["backward", "precision", "scenarios"], "gradient"),
     ],
 )
 def test_broken_backend_is_caught(

@@ -99,7 +99,7 @@ def test_one_lost_token_fails_at_the_deepseek_v3_shape_in_bf16(check_ep) -> None
 @pytest.mark.parametrize(
     ("cls", "failed", "extra"),
     [
-        ("CorruptsFromThirdDispatch", ["replay", "scenarios", "bandwidth"], []),
+        ("CorruptsFromThirdDispatch", ["replay", "precision", "scenarios", "bandwidth"], []),
         ("CorruptsTimedDispatches", ["bandwidth"], []),
         ("CorruptsTimedCombines", ["bandwidth"], ["--iters", "5"]),
     ],
@@ -114,6 +114,85 @@ def test_data_corrupted_by_back_to_back_calls_fails(
     if "replay" in failed:
         assert "wrong tokens or payloads on calls [0, 1, 2]" in run.step("replay")["detail"]
     assert "back-to-back" in run.step("bandwidth")["detail"]
+
+
+# ---------------------------------------------------------------------------------------
+# Ranks in step (issue 29): a check that fails on one rank never leaves a peer waiting
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "failed"),
+    [
+        # The probe raised on rank 0 reading the counts, and rank 1 waited in combine.
+        ("CountsNotAListOnRankZero", ["dispatch_combine", "replay", "precision", "scenarios"]),
+        # The composite gradient could not be formed on rank 0, and rank 1 waited in
+        # combine_backward.
+        (
+            "CombineOneTokenShortOnRankZero",
+            ["dispatch_combine", "backward", "precision", "scenarios", "bandwidth"],
+        ),
+    ],
+)
+def test_wrong_output_on_one_rank_fails_in_seconds_with_every_check_named(
+    check_ep, cls: str, failed: list[str]
+) -> None:
+    """Wrong numbers on one rank are exit 1 with every check's verdict, long before the
+    timeout: every rank makes the same calls whatever its own checks found."""
+    start = time.monotonic()
+    run = check_ep(*backend(cls), *SMALL, *QUICK[:-2], "--timeout", "60", nproc=2)
+    elapsed = time.monotonic() - start
+    assert run.proc.returncode == 1, run.output
+    assert elapsed < 60, elapsed  # the old probe waited out --timeout, then said exit 3
+    statuses = run.statuses()
+    assert [n for n, s in statuses.items() if s == "fail"] == failed, statuses
+    assert set(statuses.values()) == {"pass", "fail"}, statuses  # every step reached a verdict
+    assert run.step(failed[0])["detail"].startswith("rank 0: "), run.step(failed[0])
+
+
+@pytest.mark.parametrize(
+    ("cls", "step", "phrase", "waiting"),
+    [
+        # Rank 1 receives nothing in the skewed scenario and raises there alone.
+        (
+            "RaisesWhereNothingArrives",
+            "scenarios",
+            "rank 1: changing failed (seed 2951406247): layout 0 dispatch: received",
+            [0],
+        ),
+        ("RaisesInCombineOnRankZero", "dispatch_combine", "rank 0: RuntimeError: simulated", [1]),
+    ],
+)
+def test_a_backend_raising_on_one_rank_ends_in_seconds_naming_rank_and_error(
+    check_ep, cls: str, step: str, phrase: str, waiting: list[int]
+) -> None:
+    """The raising rank stops waiting for peers blocked in the collective it skipped; the
+    supervisors stop those, and rank 0 reports the error (exit 3) instead of a hang."""
+    start = time.monotonic()
+    run = check_ep(*backend(cls), *SMALL, *QUICK[:-2], "--timeout", "60", nproc=2)
+    elapsed = time.monotonic() - start
+    assert run.proc.returncode == 3, run.output
+    assert elapsed < 60, elapsed
+    assert run.report is not None and run.report["exit_code"] == 3, run.output
+    statuses = run.statuses()
+    assert statuses[step] == "error"
+    detail = run.step(step)["detail"]
+    assert detail.startswith(phrase), detail
+    assert f"ranks {waiting} never reached the end of the step" in detail
+    assert "did not finish within" not in detail
+    if cls == "RaisesWhereNothingArrives":
+        assert "skewed stopped (seed 3716537303): layout 0 dispatch raised IndexError" in detail
+        assert statuses["dispatch_combine"] == statuses["replay"] == "fail"  # still named
+    assert run.proc.stdout.count("result: unusable (exit 3)") == 1
+
+
+def test_a_nan_kept_by_a_layout_is_not_reported_as_changed(check_ep) -> None:
+    """An output that held a NaN when returned and still does has not changed: only the NaN
+    is reported (NaN != NaN made it read as memory the backend reused)."""
+    run = check_ep(*backend("NaNInOneToken"), *SMALL, *QUICK, "--scenarios", "changing")
+    assert run.proc.returncode == 1, run.output
+    problems = run.step("scenarios")["data"]["scenarios"][0]["problems"]
+    assert problems and all("changed after later calls" not in p for p in problems), problems
 
 
 # ---------------------------------------------------------------------------------------

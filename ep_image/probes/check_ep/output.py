@@ -116,6 +116,12 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
     rp = by_name.get("replay", {})
     if "rows_per_call_per_rank" in rp or "rows_per_call" in rp:
         out["replay_rows_per_call"] = rp.get("rows_per_call_per_rank", [rp.get("rows_per_call")])
+    prec = by_name.get("precision", {})
+    if "max_calc_diff" in prec or "calc_diff" in prec:
+        out["precision_calc_diff"] = prec.get("max_calc_diff", prec.get("calc_diff"))
+        out["precision_weights_calc_diff"] = prec.get(
+            "max_weights_calc_diff", prec.get("weights_calc_diff")
+        )
     scen = by_name.get("scenarios", {})
     if scen.get("scenarios"):
         out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
@@ -146,6 +152,12 @@ _HINTS = {
     "run the backend's own tests here and check --timeout",
     "error": "the probe lost a collective (a peer that died or hung is the usual cause): "
     "read every rank's log; if no rank failed, report it with this JSON",
+    "import_error": "the probe's own imports failed in this python: run it with the python of "
+    "an environment that holds the project (a scripts/make_venv.py venv's bin/python, the "
+    "image's python, or uv run after uv sync --extra <backend>)",
+    "raised": "the backend raised on some ranks only, while the others waited in its collective: "
+    "the error above is the first; run the backend's own tests here and report it with this "
+    "JSON",
     "stopped": "the launcher stopped the job before any rank posted a failure (SIGTERM); "
     "look at the launcher's log for the first rank that exited",
 }
@@ -168,6 +180,14 @@ def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -
         return f"{step} did not finish within {deadline:g} s on {who}{where}"
     if outcome["how"] == "error":
         return f"{who} failed during {step}: {outcome.get('error')}"
+    if outcome["how"] == "raised":
+        raised = outcome.get("raised") or {}
+        waiting = raised.get("waiting", [])
+        return (
+            f"rank {rank}: {raised.get('detail', 'the backend raised')}; ranks {waiting} never "
+            "reached the end of the step (blocked in a collective this rank skipped) and were "
+            "stopped"
+        )
     return f"{who} was stopped during {step}"
 
 
@@ -175,7 +195,7 @@ def primary_failure(
     outcomes: dict[int, dict[str, Any]],
 ) -> tuple[int, dict[str, Any]] | None:
     """The failure to report: the earliest crash or exit, else a hang, an error, a stop."""
-    for kinds in (("signal", "exit"), ("hang",), ("error",), ("stopped",)):
+    for kinds in (("signal", "exit", "raised"), ("hang",), ("error",), ("stopped",)):
         found = [(o.get("time", 0.0), r, o) for r, o in outcomes.items() if o["how"] in kinds]
         if found:
             _, rank, outcome = min(found, key=lambda item: (item[0], item[1]))
@@ -200,15 +220,22 @@ def report_unfinished(
     current = failure.get("step") or STEP_NAMES[0]
     done = [Step.from_json(obj) for obj in own.progress.get("steps", [])]
     index = STEP_NAMES.index(current) if current in STEP_NAMES else len(done)
+    hint = _HINTS[failure["how"]]
+    if failure["how"] == "error" and current == STEP_NAMES[0]:
+        hint = _HINTS["import_error"]
+    raised = failure.get("raised") or {}
     step = Step(
         current,
         Status.ERROR,
-        seconds=float(failure.get("seconds_in_step", 0.0)),
+        seconds=float(raised.get("seconds", failure.get("seconds_in_step", 0.0))),
         detail=detail,
-        hint=_HINTS[failure["how"]],
-        data={"failure": {"rank": rank, **failure}},
+        hint=raised.get("hint") or hint,
+        data={
+            **raised.get("data", {}),
+            "failure": {"rank": rank, **{k: v for k, v in failure.items() if k != "raised"}},
+        },
     )
-    if current == "scenarios" and rank == env.rank:
+    if current == "scenarios" and rank == env.rank and not raised:
         finished = own.progress.get("scenario_results") or []
         name = str(failure.get("scenario") or "").split(":", 1)[0]
         crashed = {"name": name, "status": "error", "detail": detail}

@@ -2,8 +2,11 @@
 
 Every rank must reach the same verdict: placement picks each rank's GPU (ranks sharing one use
 gloo, since NCCL refuses two ranks on a GPU), and ``agree`` merges a step over all ranks through
-a gloo group the backend never touches. torch is imported only inside the functions that need
-it. See docs/probes.md, section "Where each rank runs".
+a gloo group the backend never touches. A rank whose step ended in an error (the backend raised,
+so it skipped the step's remaining collectives) does not wait at ``agree`` for peers that may be
+blocked in one of them: it waits a few seconds for them in the job's store, then gives up
+(:class:`PeersLeftWaiting`). torch is imported only inside the functions that need it. See
+docs/probes.md, sections "Where each rank runs" and "Ranks in step".
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +23,10 @@ from typing import Any
 from ep_image.probes._report import EXIT_USAGE, Status, Step, merge_exit_codes, one_line, worst
 
 SHARED_GPU_LABEL = "shared GPU: not a link figure"
+
+#: Seconds a rank whose step raised waits for its peers to reach the same agreement before it
+#: counts them as blocked in a collective it never joined (capped by --timeout).
+PEER_WAIT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,8 @@ class Runtime:
     ctrl_group: Any  # gloo group for agreement, never the backend's
     timeout: float  # seconds, for collectives and the trial import
     node_of_rank: list[int] = dataclasses.field(default_factory=list)
+    store: Any = None  # the job's store (None for one rank): ranks mark each agreement there
+    agreements: int = 0  # agreements reached so far; the same sequence on every rank
 
     @property
     def use_gpu(self) -> bool:
@@ -255,7 +265,7 @@ def init_distributed(
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     ctrl = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
-    return Runtime(env, placement, device, dist.group.WORLD, ctrl, timeout)
+    return Runtime(env, placement, device, dist.group.WORLD, ctrl, timeout, store=store)
 
 
 def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
@@ -267,7 +277,8 @@ def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
     import torch
     import torch.distributed as dist
 
-    payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    # default=str: an odd value in a step's data must not make one rank skip the collective.
+    payload = torch.tensor(list(json.dumps(obj, default=str).encode()), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
     longest = max(int(n.item()) for n in sizes)
@@ -292,10 +303,46 @@ def all_gather_rows(t: Any, group: Any) -> Any:
     return out
 
 
+class PeersLeftWaiting(Exception):
+    """This rank's step ended in an error and its peers did not reach the agreement after it:
+    they are blocked in a collective this rank skipped, so no merged verdict can come."""
+
+    def __init__(self, step: Step, waiting: list[int]) -> None:
+        super().__init__(f"ranks {waiting} did not reach the end of {step.name}")
+        self.step = step
+        self.waiting = waiting
+
+
+def arrive(rt: Runtime, step: Step) -> None:
+    """Mark this rank's arrival at the next agreement; when its step ended in an error, wait
+    (briefly) until every peer has arrived too, or raise :class:`PeersLeftWaiting`.
+
+    A step that failed its checks still made every call (the checks never raise), so its
+    peers arrive; one that raised skipped the step's later collectives, and a peer that did
+    not raise as well is blocked in one of them until the group's timeout.
+    """
+    rt.agreements += 1
+    if rt.store is None or rt.env.world == 1:
+        return
+    key = f"agree/{rt.agreements}/"
+    rt.store.set(f"{key}{rt.env.rank}", step.status.value)
+    if step.status != Status.ERROR:
+        return
+    deadline = time.monotonic() + min(PEER_WAIT_SECONDS, rt.timeout)
+    while True:
+        waiting = [r for r in range(rt.env.world) if not rt.store.check([f"{key}{r}"])]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            raise PeersLeftWaiting(step, waiting)
+        time.sleep(0.05)
+
+
 def agree(
     rt: Runtime, step: Step, summarize: Callable[[Step, list[Step]], None] | None = None
 ) -> Step:
     """Merge one step over all ranks: worst status wins, its first rank's detail is shown."""
+    arrive(rt, step)
     gathered = all_gather_json(step.to_json(), rt.ctrl_group, rt.env.world)
     per_rank = [Step.from_json(obj) for obj in gathered]
     status = worst(s.status for s in per_rank)

@@ -17,6 +17,7 @@ from ep_image.probes.check_ep.checks.backward import step_backward
 from ep_image.probes.check_ep.checks.bandwidth import step_bandwidth
 from ep_image.probes.check_ep.checks.context import prepare_checks
 from ep_image.probes.check_ep.checks.dispatch_combine import step_dispatch_combine
+from ep_image.probes.check_ep.checks.precision import step_precision
 from ep_image.probes.check_ep.checks.replay import step_replay
 from ep_image.probes.check_ep.checks.scenarios import step_scenarios
 from ep_image.probes.check_ep.gates import step_buffer, step_import, step_prerequisites
@@ -75,6 +76,7 @@ def run_steps(
         ("dispatch_combine", lambda: step_dispatch_combine(rt, backend, ctx)),
         ("backward", lambda: step_backward(rt, backend, ctx, options.seed)),
         ("replay", lambda: step_replay(rt, backend, ctx, options.replays)),
+        ("precision", lambda: step_precision(rt, backend, ctx, options)),
         ("scenarios", lambda: step_scenarios(rt, backend, ctx, options)),
         ("bandwidth", lambda: step_bandwidth(rt, backend, ctx, options)),
     ]

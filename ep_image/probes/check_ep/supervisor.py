@@ -1,19 +1,21 @@
 """One rank's supervisor: it runs the backend in a watched child and speaks for it when the child
 does not finish.
 
-Why this module exists: a backend can crash, exit or hang, and under torchrun a peer's death
-tears every rank down; this process (which holds no CUDA state) turns each of these into a
-verdict: it posts how its child ended on the job's board, and on rank 0 it writes the table and
-the JSON report of a run that died, naming the rank and the step (``output.report_unfinished``).
+Why this module exists: a backend can crash, exit, hang or raise on some ranks only (leaving the
+others blocked in its collective), and under torchrun a peer's death tears every rank down; this
+process (which holds no CUDA state) turns each of these into a verdict: it posts how its child
+ended on the job's board, and on rank 0 it writes the table and the JSON report of a run that
+did not finish, naming the rank and the step (``output.report_unfinished``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
 from ep_image.probes import _supervise
-from ep_image.probes._report import exit_code_of
+from ep_image.probes._report import EXIT_UNUSABLE, exit_code_of
 from ep_image.probes.check_ep import output, worker
 from ep_image.probes.check_ep.board import Board
 from ep_image.probes.check_ep.ranks import RankEnv
@@ -44,10 +46,17 @@ def supervise(options: Options, env: RankEnv) -> int:
 
     watch = _supervise.Watch(step_deadline=options.timeout, peer_failed=peer_failed)
     outcome = _supervise.run_supervised(lambda: worker.work(options, env, sel), watch)
+    raised = outcome.progress.get("raised")
+    if outcome.how == "finished" and raised:
+        # The backend raised here while peers were blocked in its collective: a failure on the
+        # board, so their supervisors stop them now instead of after a collective timeout.
+        outcome = dataclasses.replace(outcome, how="raised", code=EXIT_UNUSABLE)
     if env.world > 1 and not board_box:
         board_box.append(Board.connect(env.rank, env.world, serve, options.timeout))
     board = board_box[0] if board_box else None
     posted = {**outcome.to_json(), "time": time.time()}
+    if raised:
+        posted["raised"] = raised
     if board is not None:
         board.post(posted)
     if outcome.how == "finished":
@@ -58,7 +67,11 @@ def supervise(options: Options, env: RankEnv) -> int:
         if outcome.how != "stopped":
             if outcome.fault_log:
                 print(outcome.fault_log.rstrip(), file=sys.stderr)
-            print(f"{PROG}: rank {env.rank}: {outcome.how} during {outcome.step}", file=sys.stderr)
+            said = f": {raised['detail']}" if raised else ""
+            print(
+                f"{PROG}: rank {env.rank}: {outcome.how} during {outcome.step}{said}",
+                file=sys.stderr,
+            )
         return outcome.code
     outcomes = board.read(wait=5.0) if board is not None else {}
     outcomes[env.rank] = posted

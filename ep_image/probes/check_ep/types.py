@@ -32,6 +32,7 @@ STEP_NAMES = (
     "dispatch_combine",
     "backward",
     "replay",
+    "precision",
     "scenarios",
     "bandwidth",
 )

@@ -3,19 +3,23 @@ process groups, run the steps, and (on rank 0) write the verdict.
 
 Why this module exists: this is the process the supervisor forks and watches, and the only part
 of check_ep that brings torch in; a usage error found only here (a GPU backend with
-``--device cpu``, NCCL communicators on a shared GPU) is still one line and exit 2.
+``--device cpu``, NCCL communicators on a shared GPU) is still one line and exit 2. A rank whose
+backend raised while its peers were left blocked in a collective ends at once, leaving what it
+found in its breadcrumbs for the supervisors to report (``ranks.PeersLeftWaiting``).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from ep_image import cli
 from ep_image.probes import _supervise
-from ep_image.probes._report import EXIT_USAGE, Step, exit_code_of
+from ep_image.probes._report import EXIT_UNUSABLE, EXIT_USAGE, Step, exit_code_of
 from ep_image.probes.check_ep import output
 from ep_image.probes.check_ep.layer import layer_sizes
 from ep_image.probes.check_ep.ranks import (
+    PeersLeftWaiting,
     RankEnv,
     agree_code,
     connect_store,
@@ -28,6 +32,9 @@ from ep_image.probes.check_ep.ranks import (
 from ep_image.probes.check_ep.scenarios.catalogue import SCENARIO_TOKENS, scenario_seed
 from ep_image.probes.check_ep.types import PROG, Options, Selection, Shape
 
+if TYPE_CHECKING:
+    from ep_image.probes.check_ep.adapters.base import EPBackend
+
 
 def work(options: Options, env: RankEnv, sel: Selection) -> int:
     """The supervised child: bad usage is still one line and exit 2 here."""
@@ -37,6 +44,13 @@ def work(options: Options, env: RankEnv, sel: Selection) -> int:
         if env.rank == 0:
             print(f"{PROG}: usage error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except PeersLeftWaiting as exc:
+        # No merged verdict can come: the supervisors stop the blocked peers and rank 0's
+        # reports this rank's step (supervisor.py reads "raised").
+        _supervise.progress.update(
+            raised={**exc.step.to_json(), "waiting": exc.waiting}, current=exc.step.name
+        )
+        return EXIT_UNUSABLE
 
 
 def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
@@ -116,11 +130,12 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
     steps: list[Step] = []
     try:
         steps = run_steps(rt, sel, backend, shape, options)
-    finally:
-        try:
-            backend.destroy()
-        except Exception as exc:  # a failing destroy must not hide the verdict
-            print(f"{PROG}: rank {env.rank}: backend destroy failed: {exc}", file=sys.stderr)
+    except PeersLeftWaiting:
+        raise  # no destroy: it may wait for the blocked peers too
+    except BaseException:
+        _destroy(backend, env)
+        raise
+    _destroy(backend, env)
     code = agree_code(rt, exit_code_of(steps, options.require))
     try:
         return output.finish(options, env, sel, steps, meta, code)
@@ -129,3 +144,11 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
 
         dist.barrier(group=rt.ctrl_group)
         dist.destroy_process_group()
+
+
+def _destroy(backend: EPBackend, env: RankEnv) -> None:
+    """Release the backend's buffer; a failing destroy must not hide the verdict."""
+    try:
+        backend.destroy()
+    except Exception as exc:
+        print(f"{PROG}: rank {env.rank}: backend destroy failed: {exc}", file=sys.stderr)

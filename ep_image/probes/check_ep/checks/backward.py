@@ -12,36 +12,74 @@ from typing import Any
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.checks.context import CheckContext, bound_text
+from ep_image.probes.check_ep.checks.context import (
+    CheckContext,
+    bound_text,
+    rows_of,
+    safely,
+    zero_rows,
+)
 from ep_image.probes.check_ep.ranks import Runtime, agree, sync
 
 
-def _autograd_functions() -> tuple[Any, Any]:
-    """Dispatch and combine as autograd functions, built on the backend's own backward hooks."""
+def _autograd_functions(problems: list[str]) -> tuple[Any, Any]:
+    """Dispatch and combine as autograd functions, built on the backend's own backward hooks.
+
+    Each returns a tensor of the shape autograd expects whatever the backend gave (a wrong one
+    is recorded in ``problems`` and zeros stand in): autograd refusing a malformed gradient
+    would end this rank's step between two backend calls its peers make.
+    """
     import torch
+
+    def well_formed(what: str, got: Any, like: tuple[Any, ...]) -> torch.Tensor:
+        """``got`` if autograd can take it as a tensor of ``like`` (shape, dtype, device)."""
+        shape, dtype, device = like
+        if (
+            isinstance(got, torch.Tensor)
+            and tuple(got.shape) == shape
+            and got.is_floating_point()
+            and got.device == device
+        ):
+            return got
+        found = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        problems.append(f"{what} returned {found} where {list(shape)} was expected")
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def spec(t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(t.shape), t.dtype, t.device
 
     class DispatchFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, backend, topk_idx, topk_weights, box):  # type: ignore[override]
             d = backend.dispatch(x, topk_idx, topk_weights)
             box.append(d)
-            ctx.backend, ctx.handle = backend, d.handle
-            return d.recv_x
+            ctx.backend, ctx.handle = backend, getattr(d, "handle", None)
+            ctx.x_like = spec(x)
+            recv = getattr(d, "recv_x", None)
+            if isinstance(recv, torch.Tensor) and recv.dim() == 2 and recv.shape[1] == x.shape[1]:
+                return recv.detach()
+            return x.new_zeros((0, x.shape[1]))
 
         @staticmethod
         def backward(ctx, grad):  # type: ignore[override]
             grad_x = ctx.backend.dispatch_backward(grad.contiguous(), ctx.handle)
-            return grad_x, None, None, None, None
+            return well_formed("dispatch_backward", grad_x, ctx.x_like), None, None, None, None
 
     class CombineFn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, y, backend, handle):  # type: ignore[override]
-            ctx.backend, ctx.handle = backend, handle
-            return backend.combine(y, handle)
+        def forward(ctx, y, backend, handle, tokens):  # type: ignore[override]
+            ctx.backend, ctx.handle, ctx.y_like = backend, handle, spec(y)
+            out = backend.combine(y, handle)
+            shape = (tokens, y.shape[1])
+            same = isinstance(out, torch.Tensor) and tuple(out.shape) == shape
+            if same and out.device == y.device:
+                return out.detach() if out.is_floating_point() else out.float()
+            return well_formed("combine", out, (shape, y.dtype, y.device))
 
         @staticmethod
         def backward(ctx, grad):  # type: ignore[override]
-            return ctx.backend.combine_backward(grad.contiguous(), ctx.handle), None, None
+            grad_y = ctx.backend.combine_backward(grad.contiguous(), ctx.handle)
+            return well_formed("combine_backward", grad_y, ctx.y_like), None, None, None
 
     return DispatchFn, CombineFn
 
@@ -50,7 +88,10 @@ def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int)
     """Gradient of sum(combine(expert(dispatch(x))) * g) w.r.t. x versus g * sum_k w_k s_k,
     then each backward operation on its own (an error in one that the other undoes still
     gives the experts wrong weight gradients)."""
-    dispatch_fn, combine_fn = _autograd_functions()
+    import torch
+
+    problems: list[str] = []
+    dispatch_fn, combine_fn = _autograd_functions(problems)
     with timed_step("backward") as step:
         inp, shape = ctx.inputs, ctx.shape
         mask = ref.id_mask(shape.hidden, shape.device)
@@ -58,16 +99,21 @@ def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int)
         box: list[Any] = []
         recv = dispatch_fn.apply(x, backend, inp.topk_idx, inp.topk_weights, box)
         d = box[0]
-        factor = ref.row_factor(ctx.expected, ref.decode_ids(d.recv_x, ctx.global_routing))
+        rows = int(recv.shape[0])
+        factor = safely(
+            problems,
+            "dispatch",
+            lambda: ref.row_factor(ctx.expected, ref.decode_ids(recv, ctx.global_routing)),
+            fallback=torch.zeros(rows, device=shape.device),
+        )
         y = (recv.float() * factor[:, None] * mask).to(recv.dtype)
-        out = combine_fn.apply(y, backend, d.handle)
+        out = combine_fn.apply(y, backend, getattr(d, "handle", None), shape.tokens)
         g = ref.output_grad(shape, shape.tokens, seed, rt.env.rank)
         (out.float() * g.float()).sum().backward()
         sync(rt)
         scale = ref.token_scale(inp, ctx.scales)
         expected = g.float() * scale[:, None] * mask
         composite = ref.compare_tokens(x.grad, expected, ctx.tolerance)
-        problems = []
         if not composite.ok:
             problems.append(
                 "d/dx sum(combine(dispatch(x)) * g): "
@@ -102,20 +148,30 @@ def step_backward(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int)
 
 def _backward_ops(rt: Runtime, backend: EPBackend, ctx: CheckContext, seed: int) -> list[str]:
     """combine_backward and dispatch_backward alone, through a new dispatch of the routing."""
+    import torch
+
     inp, shape, g = ctx.inputs, ctx.shape, ctx.global_routing
     d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
     sync(rt)
-    ids = ref.decode_ids(d.recv_x, g)
-    rows = int(d.recv_x.shape[0])
+    problems: list[str] = []
+    rows = rows_of(d)
+    unread = torch.full((rows,), -1, dtype=torch.int64, device=shape.device)
+    recv = getattr(d, "recv_x", None)
+    ids = safely(problems, "dispatch", ref.decode_ids, recv, g, fallback=unread)
+    handle = getattr(d, "handle", None)
     grad = ref.output_grad(shape, shape.tokens, seed, rt.env.rank, salt=104729)
     grad_global = ref.gather_uneven(grad, g.counts, rt.ep_group)
     want_rows = grad_global[ids.clamp(min=0)]
-    cb = backend.combine_backward(grad, d.handle)
+    cb = backend.combine_backward(grad, handle)
     sync(rt)
-    h = ref.expert_output(want_rows, ref.row_factor(ctx.expected, ids))
-    db = backend.dispatch_backward(h, d.handle)
+    h = safely(
+        problems,
+        "dispatch",
+        lambda: ref.expert_output(want_rows, ref.row_factor(ctx.expected, ids)),
+        fallback=zero_rows(ctx, rows),
+    )
+    db = backend.dispatch_backward(h, handle)
     sync(rt)
-    problems = []
     found = ref.tensor_contract("combine_backward", cb, rows, shape.hidden, grad.dtype, grad.device)
     if not found:
         bad, first = ref.compare_rows(cb, want_rows)

@@ -17,7 +17,13 @@ from typing import Any
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.checks.context import CheckContext, expert_output_of
+from ep_image.probes.check_ep.checks.context import (
+    CheckContext,
+    expert_output_of,
+    rows_of,
+    safely,
+    zero_rows,
+)
 from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, Runtime, agree, sync
 from ep_image.probes.check_ep.types import Options
 
@@ -35,9 +41,12 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
     with timed_step("bandwidth") as step:
         inp = ctx.inputs
         d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
-        y = expert_output_of(ctx, d)
-        rows = int(d.recv_x.shape[0])
-        nbytes = rows * ctx.shape.hidden * d.recv_x.element_size()
+        rows = rows_of(d)
+        unreadable: list[str] = []
+        y = safely(unreadable, "dispatch", expert_output_of, ctx, d, fallback=zero_rows(ctx, rows))
+        element = torch.tensor([], dtype=ctx.shape.dtype).element_size()
+        nbytes = rows * ctx.shape.hidden * element
+        handle = getattr(d, "handle", None)
 
         def dispatch_wrong(i: int, out: Any) -> Any:
             f = ref.call_factor(i)
@@ -45,7 +54,7 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
 
         def combine_wrong(i: int, out: Any) -> Any:
             want = ctx.expected_combine * ref.call_factor(i)
-            if out.shape != want.shape:
+            if not isinstance(out, torch.Tensor) or out.shape != want.shape:
                 return torch.ones((), dtype=torch.bool, device=want.device)
             return (ref.per_token_rel_diff(out.float(), want) > ctx.tolerance).any()
 
@@ -59,13 +68,11 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
         t_combine, bad_combine = _bench(
             rt,
             lambda i: y * ref.call_factor(i),
-            lambda y_i: backend.combine(y_i, d.handle),
+            lambda y_i: backend.combine(y_i, handle),
             options,
             combine_wrong,
         )
-        src = torch.empty(
-            max(nbytes // d.recv_x.element_size(), 1), dtype=d.recv_x.dtype, device=rt.device
-        )
+        src = torch.empty(max(nbytes // element, 1), dtype=ctx.shape.dtype, device=rt.device)
         dst = torch.empty_like(src)
         t_copy, _ = _bench(
             rt, lambda i: None, lambda _: dst.copy_(src), options, None, collective=False
@@ -88,12 +95,13 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
         if shared:
             data["note"] = SHARED_GPU_LABEL
         if len(set(rt.node_of_rank)) > 1:
-            data.update(_link_split(rt, d.recv_x, nbytes, t_dispatch, t_combine))
+            split = (rt, d.recv_x, nbytes, t_dispatch, t_combine)
+            data.update(safely(unreadable, "dispatch", _link_split, *split, fallback={}))
         step.data = data
         data["dispatch_vs_copy"] = data["dispatch_gbs"] / data["copy_gbs"] if t_copy else None
         data["combine_vs_copy"] = data["combine_gbs"] / data["copy_gbs"] if t_copy else None
         calls = options.warmup + options.iters
-        wrong = [
+        wrong = unreadable[:1] + [
             f"{len(bad)} of {calls} back-to-back {op} calls returned wrong data (calls {bad})"
             for op, bad in (("dispatch", bad_dispatch), ("combine", bad_combine))
             if bad
@@ -201,11 +209,18 @@ def _bench(
     flags: list[Any] = []
     calls = 0
 
+    def judge(i: int, out: Any) -> Any:
+        """Call ``i``'s flag; an output too malformed to check is wrong (never an exception:
+        this rank must go on making the calls its peers make)."""
+        try:
+            return is_wrong(i, out) if is_wrong is not None else False
+        except Exception:
+            return True
+
     def call() -> None:
         nonlocal calls
         out = fn(prepare(calls))
-        if is_wrong is not None:
-            flags.append(is_wrong(calls, out))
+        flags.append(judge(calls, out))
         calls += 1
 
     for _ in range(options.warmup):
@@ -221,16 +236,14 @@ def _bench(
             start.record()
             out = fn(inp)
             end.record()
-            if is_wrong is not None:
-                flags.append(is_wrong(calls, out))
+            flags.append(judge(calls, out))
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
             out = fn(inp)
             times.append(time.perf_counter() - t0)
-            if is_wrong is not None:
-                flags.append(is_wrong(calls, out))
+            flags.append(judge(calls, out))
         calls += 1
     sync(rt)
     bad = [i for i, flag in enumerate(flags) if bool(flag)]

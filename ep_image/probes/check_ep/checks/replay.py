@@ -10,7 +10,7 @@ from __future__ import annotations
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.checks.context import CheckContext
+from ep_image.probes.check_ep.checks.context import CheckContext, rows_of, safely
 from ep_image.probes.check_ep.ranks import Runtime, agree, sync
 
 
@@ -21,13 +21,30 @@ def step_replay(rt: Runtime, backend: EPBackend, ctx: CheckContext, replays: int
         rows: list[int] = []
         per_expert: list[list[int]] = []
         payload_bad: list[int] = []
+        unreadable: list[str] = []
         for call in range(replays + 1):
             d = backend.dispatch(inp.x, inp.topk_idx, inp.topk_weights)
             sync(rt)
-            rows.append(int(d.recv_x.shape[0]))
-            per_expert.append([int(c) for c in d.num_recv_per_expert])
-            check = ref.check_dispatch(d, ctx.global_routing, ctx.expected, ctx.local)
-            if check.problems:
+            rows.append(rows_of(d))
+            counts = safely(
+                unreadable,
+                f"call {call} per-expert counts",
+                lambda d=d: [int(c) for c in d.num_recv_per_expert],
+                fallback=[],
+            )
+            per_expert.append(counts)
+            found: list[str] = []
+            check = safely(
+                found,
+                f"call {call}",
+                ref.check_dispatch,
+                d,
+                ctx.global_routing,
+                ctx.expected,
+                ctx.local,
+                fallback=None,
+            )
+            if found or check is None or check.problems:
                 payload_bad.append(call)
         want = int(ctx.expected.rows.numel())
         step.data = {
@@ -36,7 +53,7 @@ def step_replay(rt: Runtime, backend: EPBackend, ctx: CheckContext, replays: int
             "per_expert_per_call": per_expert,
             "calls_with_wrong_tokens": payload_bad,
         }
-        problems = []
+        problems = unreadable[:1]
         if len(set(rows)) > 1:
             problems.append(
                 f"dispatch returned {rows[0]} rows first and {rows[1:]} on replay: the same "

@@ -21,6 +21,7 @@ from ep_image.probes.check_ep.reference.expected import (
     name_row,
 )
 from ep_image.probes.check_ep.reference.inputs import scale_payload
+from ep_image.probes.check_ep.reference.precision import calc_diff
 from ep_image.probes.check_ep.types import Dispatched
 
 
@@ -35,8 +36,16 @@ class DispatchCheck:
     expected_per_expert: list[int]
 
 
-def check_dispatch(d: Dispatched, g: GlobalRouting, exp: Expected, local: int) -> DispatchCheck:
-    """Counts per rank and per expert, token identity and payload, routing of each row."""
+def check_dispatch(
+    d: Dispatched,
+    g: GlobalRouting,
+    exp: Expected,
+    local: int,
+    weights_bound: float = 0.0,
+) -> DispatchCheck:
+    """Counts per rank and per expert, token identity and payload, routing of each row; the
+    top-k weights bit for bit, or (``weights_bound``) within that ``calc_diff`` of the sent
+    ones."""
     problems: list[str] = []
     n = int(d.recv_x.shape[0])
     want = int(exp.rows.numel())
@@ -100,10 +109,13 @@ def check_dispatch(d: Dispatched, g: GlobalRouting, exp: Expected, local: int) -
         elif not torch.equal(weights, exp.weights):
             bad = (weights != exp.weights).any(dim=1)
             first = int(sorted_ids[bad.nonzero()[0, 0]])
-            problems.append(
-                f"{int(bad.sum())} received tokens carry wrong top-k weights "
-                f"(first: {name_row(g, first)})"
-            )
+            diff = calc_diff(weights, exp.weights)
+            if diff > weights_bound:
+                within = f"calc_diff {diff:.3g} > {weights_bound:g}; " if weights_bound else ""
+                problems.append(
+                    f"{int(bad.sum())} received tokens carry wrong top-k weights "
+                    f"({within}first: {name_row(g, first)})"
+                )
         counted = mask.sum(dim=0).tolist()
         if [int(c) for c in counted] != per_expert and per_expert == exp.per_expert:
             problems.append("num_recv_per_expert disagrees with recv_topk_idx")
@@ -142,6 +154,14 @@ def dispatch_contract(d: Dispatched, x: torch.Tensor, topk: int, local: int) -> 
     rows = int(d.recv_x.shape[0])
     problems = tensor_contract("dispatch", d.recv_x, rows, x.shape[1], x.dtype, x.device)
     idx, w = d.recv_topk_idx, d.recv_topk_weights
+    counts = d.num_recv_per_expert
+    if not isinstance(counts, list | tuple | torch.Tensor):
+        what = type(counts).__name__
+        problems.append(f"dispatch returned num_recv_per_expert {what}, not a list of counts")
+        counts = []
+    if not isinstance(idx, torch.Tensor) or not isinstance(w, torch.Tensor):
+        found = f"{type(idx).__name__} and {type(w).__name__}"
+        return [*problems, f"dispatch returned recv_topk_idx and recv_topk_weights {found}"]
     if tuple(idx.shape) != (rows, topk) or idx.dtype.is_floating_point:
         problems.append(
             f"dispatch returned recv_topk_idx {idx.dtype} {list(idx.shape)}, expected integer "
@@ -152,11 +172,9 @@ def dispatch_contract(d: Dispatched, x: torch.Tensor, topk: int, local: int) -> 
             f"dispatch returned recv_topk_weights {w.dtype} {list(w.shape)}, expected float32 "
             f"[{rows}, {topk}]"
         )
-    if len(d.num_recv_per_expert) != local:
-        problems.append(
-            f"dispatch returned {len(d.num_recv_per_expert)} per-expert counts for {local} "
-            "local experts"
-        )
+    if len(counts) != local:
+        got = len(counts)
+        problems.append(f"dispatch returned {got} per-expert counts for {local} local experts")
     return problems
 
 
@@ -233,6 +251,14 @@ def describe_tokens(c: TokenCompare, what: str, tolerance: float) -> str:
     if c.nonfinite:
         text += f"; {c.nonfinite} hold NaN or inf, first token {c.first_nonfinite}"
     return text + ")"
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` hold the same values, NaN equal to NaN (an output kept for the backward
+    pass that held a NaN when returned has not changed if it still does)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.numel() else True
 
 
 def compare_rows(out: Any, want: torch.Tensor) -> tuple[int, int]:
