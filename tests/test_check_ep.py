@@ -393,6 +393,74 @@ def test_an_unwritable_report_path_is_bad_usage_before_any_work(tmp_path: Path, 
     assert_unwritable_report_is_bad_usage(tmp_path, "check_ep", "--backend", "torch", *extra)
 
 
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        # The CPU layer's 32 experts: the ranks would refuse them, once all had started.
+        ([], "the CPU layer's 32 experts (the default) do not split evenly over 3 ranks"),
+        # The CPU layer's top-4 over 3 experts.
+        (["--experts", "3"], "--topk 4 is larger than --experts 3"),
+        (["--device", "cuda"], "--device cuda but no GPU is visible"),
+    ],
+)
+@needs_no_gpu
+def test_the_local_launcher_refuses_what_its_ranks_would_before_starting_any(
+    tmp_path: Path, args: list[str], phrase: str
+) -> None:
+    """One usage line, exit 2, no rank started (no launcher output; seconds, not a start-up
+    of every rank: 64 ranks on 2 cores took 160 s to say the same)."""
+    proc, report = run_probe(tmp_path, "--backend", "torch", *args, nproc=3)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("check_ep: usage error: "), proc.stderr
+    assert phrase in proc.stderr, proc.stderr
+    assert proc.stdout == "" and report is None
+
+
+def _pythons_without_torch() -> list[list[str]]:
+    """Real interpreters that cannot import torch: this one without site-packages (-S), and
+    the system's python3 where it has no torch (Debian's)."""
+    found = [[sys.executable, "-S"]]
+    system = Path("/usr/bin/python3")
+    if system.exists():
+        probe = subprocess.run([str(system), "-c", "import torch"], capture_output=True)
+        if probe.returncode != 0:
+            found.append([str(system)])
+    return found
+
+
+@pytest.mark.parametrize("front_door", ["module", "script"])
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_a_python_without_torch_is_told_which_python_to_use(
+    tmp_path: Path, front_door: str, nproc: int
+) -> None:
+    """It read "unusable (exit 3)" with the fix of a lost collective. Now: torch missing
+    (exit 4), naming this python and the ones that hold the project, with its report."""
+    for python in _pythons_without_torch():
+        report = tmp_path / "report.json"
+        report.unlink(missing_ok=True)
+        target = ["-m", PROBE] if front_door == "module" else [str(ROOT / "probes/check_ep.py")]
+        extra = ["--nproc-per-node", str(nproc)] if nproc else []
+        proc = subprocess.run(
+            [*python, *target, "--backend", "torch", *extra, "--json", str(report)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=clean_env(PYTHONPATH=str(ROOT)),
+            cwd=tmp_path,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 4, (python, out)
+        assert f"torch is not installed in this python ({python[0]}, Python " in proc.stdout
+        assert "fix: run it with the python of an environment that holds the project" in out
+        assert "scripts/make_venv.py" in out and "uv sync --extra" in out
+        assert "lost a collective" not in out and "Traceback" not in out
+        data = json.loads(report.read_text())
+        assert data["exit_code"] == 4 and data["result"] == "missing"
+        assert statuses(data)["import"] == "missing"
+        assert data["world_size"] == (nproc or 1)
+
+
 def test_help_reads_like_documentation() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", PROBE, "--help"], capture_output=True, text=True, timeout=60

@@ -9,6 +9,7 @@ or is one rank, watched by its supervisor. See docs/probes.md, section "check-ep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 from ep_image import cli
 from ep_image.probes._backend_detect import BACKEND_NAMES, REFERENCE_BACKEND
 from ep_image.probes._report import EXIT_USAGE
-from ep_image.probes.check_ep import launch, layer, supervisor
+from ep_image.probes.check_ep import launch, layer, preflight, supervisor
 from ep_image.probes.check_ep.ranks import RankEnv
 from ep_image.probes.check_ep.scenarios import catalogue
 from ep_image.probes.check_ep.types import PROG, Options
@@ -227,10 +228,18 @@ def options_of(args: argparse.Namespace, world: int) -> Options:
 
 def run(options: Options, argv: list[str]) -> int:
     """Start the local ranks (``--nproc-per-node``: ``argv`` again, without that flag), or be
-    one rank: its supervisor's exit code, which rank 0 also leaves for a local launcher."""
-    if options.nproc_per_node:
-        return launch.launch_local(options.nproc_per_node, MODULE, argv)
+    one rank: its supervisor's exit code, which rank 0 also leaves for a local launcher.
+    What can be refused before any rank starts is refused first (``preflight``)."""
     env = RankEnv.from_environ()
+    missing = preflight.torch_missing()
+    if missing is not None:
+        if options.nproc_per_node:  # the ranks it would have started, on this one node
+            n = options.nproc_per_node
+            env = dataclasses.replace(env, world=n, local_world=n)
+        return supervisor.report_verdict(options, env, missing)
+    if options.nproc_per_node:
+        preflight.check_local_launch(options, preflight.visible_gpus())
+        return launch.launch_local(options.nproc_per_node, MODULE, argv)
     code = supervisor.supervise(options, env)
     if env.rank == 0:
         launch.write_exit_code(code)

@@ -55,5 +55,11 @@ def layer_sizes(options: Options, on_gpu: bool, world: int) -> dict[str, int]:
         "topk": options.topk,
     }
     sizes = {k: given[k] if given[k] is not None else v for k, v in defaults.items()}
+    if given["experts"] is None and sizes["experts"] % world != 0:
+        device = "GPU" if on_gpu else "CPU"
+        raise UsageError(
+            f"the {device} layer's {sizes['experts']} experts (the default) do not split evenly "
+            f"over {world} ranks: pass --experts N, a multiple of {world}, or start fewer ranks"
+        )
     validate_shape(sizes["tokens"], sizes["hidden"], sizes["experts"], sizes["topk"], world)
     return sizes

@@ -15,7 +15,7 @@ import sys
 import time
 
 from ep_image.probes import _supervise
-from ep_image.probes._report import EXIT_UNUSABLE, exit_code_of
+from ep_image.probes._report import EXIT_UNUSABLE, Step, exit_code_of
 from ep_image.probes.check_ep import output, worker
 from ep_image.probes.check_ep.board import Board
 from ep_image.probes.check_ep.ranks import RankEnv
@@ -23,12 +23,19 @@ from ep_image.probes.check_ep.selection import select_backend
 from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, not_run
 
 
+def report_verdict(options: Options, env: RankEnv, verdict: Step) -> int:
+    """The table and report of a run that ends before any backend process starts, on
+    ``verdict`` (the import step's: a backend or torch that is not installed)."""
+    sel = select_backend(options)
+    steps = [verdict] + [not_run(n, verdict) for n in STEP_NAMES[1:]]
+    return output.finish(options, env, sel, steps, {}, exit_code_of(steps, options.require))
+
+
 def supervise(options: Options, env: RankEnv) -> int:
     """Run the backend in a watched child; report a crash, early exit or hang as exit 3."""
     sel = select_backend(options)
     if sel.verdict is not None:
-        steps = [sel.verdict] + [not_run(n, sel.verdict) for n in STEP_NAMES[1:]]
-        return output.finish(options, env, sel, steps, {}, exit_code_of(steps, options.require))
+        return report_verdict(options, env, sel.verdict)
 
     if env.launched:
         # This process talks to the job's store (torch's TCPStore): import torch once, before
