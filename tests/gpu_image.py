@@ -91,9 +91,12 @@ def git_daemon(mirrors: dict[str, Path]) -> Iterator[Path]:
         ]
     )
     config = STORE / "gitconfig"
+    # The URL as the lock spells it and as a submodule's .gitmodules does (with .git); git
+    # takes the longest prefix that matches.
     config.write_text(
         "".join(
-            f'[url "git://127.0.0.1:{port}/{name}.git"]\n\tinsteadOf = {GITHUB[name]}\n'
+            f'[url "git://127.0.0.1:{port}/{name}.git"]\n'
+            f"\tinsteadOf = {GITHUB[name]}\n\tinsteadOf = {GITHUB[name]}.git\n"
             for name in mirrors
         )
     )
