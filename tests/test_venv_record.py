@@ -111,3 +111,23 @@ def test_the_interpreters_own_files_pass_and_a_distributions_package_beside_them
     loaded = facts(venv / "bin" / "python", extra)["loaded_outside_venv"]
     assert any(m.startswith(f"{package}: {site}") for m in loaded["modules"]), loaded
     assert not [m for m in loaded["modules"] if m.startswith("sitecustomize:")], loaded
+
+
+def test_an_image_venv_names_its_image(venv: Path, tmp_path: Path) -> None:
+    """In an image, the venvs' prefix holds the image's record (image.json): the report repeats
+    it with the reference the container was started as (EP_IMAGE_REF); elsewhere image is null."""
+    assert facts(venv / "bin" / "python")["image"] is None
+    record = {"ep": "all", "backends": ["deepep_v1", "deepep_v2"], "active": "deepep_v2",
+              "lock_sha256": ["cd" * 32], "switch": "use-ep"}  # fmt: skip
+    (venv.parent / "image.json").write_text(json.dumps(record))
+    try:
+        env = {"PATH": "/usr/bin:/bin", "EP_IMAGE_REF": "localhost/ep-image:all@sha256:" + "e" * 64}
+        image = facts(venv / "bin" / "python", env=env)["image"]
+        assert image["ref"] == env["EP_IMAGE_REF"]
+        assert image["record"] == {
+            k: record[k] for k in ("ep", "backends", "active", "lock_sha256")
+        }
+        assert image["file"] == str(venv.parent / "image.json")
+        assert facts(venv / "bin" / "python")["image"]["ref"] is None
+    finally:
+        (venv.parent / "image.json").unlink()

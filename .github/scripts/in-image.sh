@@ -30,4 +30,7 @@ fi
 # EP_BACKEND is the image's own switch: its entrypoint (docker/ep-entrypoint) activates
 # /opt/venvs/$EP_BACKEND through use-ep and fails if the image does not hold that backend, so
 # a probe never runs silently in another backend's venv. This is the path users take too.
-exec docker run "${flags[@]}" -e EP_BACKEND="$BACKEND" "$IMAGE" "$@"
+# A container cannot see which image it runs: the reports name it from EP_IMAGE_REF, the
+# reference with the digest the runner pulled (docs/probes.md, JSON reports).
+ref=$(docker image inspect --format '{{index .RepoDigests 0}}' "$IMAGE" 2>/dev/null || echo "$IMAGE")
+exec docker run "${flags[@]}" -e EP_BACKEND="$BACKEND" -e EP_IMAGE_REF="$ref" "$IMAGE" "$@"

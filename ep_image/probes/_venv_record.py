@@ -30,6 +30,28 @@ SYSTEM_PREFIXES = (
 )  # fmt: skip
 
 
+#: What image.json (the image's own record, ep_image/build_steps/image_stage.py) a report repeats.
+IMAGE_FIELDS = ("ep", "backends", "active", "lock_sha256")
+
+
+def image_facts(prefix: str | None = None) -> dict[str, Any] | None:
+    """The image the venv belongs to, when it is one of an image's venvs: the fields of the
+    image's record beside the venvs (``<EP_PREFIX>/image.json``), and the reference it was run
+    as. A container cannot see its image's id, so whoever starts it passes the reference it
+    pulled or built (``-e EP_IMAGE_REF=name@digest``). None outside an image."""
+    venvs = Path(os.environ.get("EP_PREFIX") or Path(prefix or sys.prefix).parent)
+    record_file = venvs / "image.json"
+    if not record_file.is_file():
+        return None
+    try:
+        data = json.loads(record_file.read_text())
+        record: dict[str, Any] = {k: data.get(k) for k in IMAGE_FIELDS}
+    except (OSError, ValueError) as exc:
+        record = {"error": str(exc)}
+    return {"ref": os.environ.get("EP_IMAGE_REF") or None, "record": record,
+            "file": str(record_file)}  # fmt: skip
+
+
 def venv_record(prefix: str | None = None) -> dict[str, Any]:
     """The running interpreter's venv and the fields of its make_venv record (None: no record,
     i.e. not a venv this project built)."""
@@ -51,6 +73,7 @@ def venv_record(prefix: str | None = None) -> dict[str, Any]:
         "is_venv": sys.prefix != sys.base_prefix,
         "record": record,
         "pythonpath": os.environ.get("PYTHONPATH", ""),
+        "image": image_facts(prefix),
     }
 
 
