@@ -215,7 +215,9 @@ def test_the_mirror_lines_build_deepep_v1_as_typed(fresh: Path, tmp_path: Path) 
         pytest.skip("set EP_DEEPEP_GIT_DIR to a DeepEP mirror (and have a full CUDA 13 toolkit)")
     lines = [c for c in commands() if kind_of(c) in ("mirror", "source build")]
     example = re.search(r"url\.(\S+)\.insteadOf", lines[0])[1]  # type: ignore[index]
-    script = "\n".join(["set -e", f"export HOME={tmp_path}", *lines]).replace(
+    # The shell of README's uv block, which put uv on PATH through its first line.
+    bootstrap = block_with('eval "$(python3 scripts/bootstrap.py')[0]
+    script = "\n".join(["set -e", f"export HOME={tmp_path}", bootstrap, *lines]).replace(
         example, f"file://{mirror}"
     )
     stubs = "/usr/local/cuda/lib64/stubs"
