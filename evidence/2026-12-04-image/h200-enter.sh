@@ -32,6 +32,17 @@ mkdir -p "$R/usr/local/nvidia" "$R/mnt/reports" "$R/mnt/upstream" /tmp/r
 mount --bind /usr/local/nvidia "$R/usr/local/nvidia"
 mount -o remount,bind,ro "$R/usr/local/nvidia"
 for f in /etc/hosts /etc/hostname; do touch "$R$f"; mount --bind "$f" "$R$f"; done
+# The image finds the driver through NGC's LD_LIBRARY_PATH (/usr/local/nvidia/lib, lib64). Where
+# this host keeps libcuda.so.1 elsewhere under /usr/local/nvidia, do what the NVIDIA container
+# toolkit does: name its directory to the image's loader (ld.so.conf.d + ldconfig), and say so.
+driver=$(find /usr/local/nvidia -name 'libcuda.so.1' 2>/dev/null | head -1)
+case "$driver" in
+  /usr/local/nvidia/lib/libcuda.so.1 | /usr/local/nvidia/lib64/libcuda.so.1) ;;
+  "") echo "enter: no libcuda.so.1 under /usr/local/nvidia" >&2; exit 1 ;;
+  *) dirname "$driver" > "$R/etc/ld.so.conf.d/zz-container-driver.conf"
+     chroot "$R" ldconfig
+     echo "enter: the driver is in $(dirname "$driver"): added to the image's ld.so.conf.d" ;;
+esac
 mount --bind /tmp/r "$R/mnt/reports"
 mount --bind "$I/upstream" "$R/mnt/upstream"
 # shellcheck disable=SC2016  # expanded inside the image
