@@ -10,7 +10,8 @@ The stand-in has each of them, on the image tests' Debian base (tests/_buildah.p
 
 - the CUDA home: this machine's CUDA 13.0 toolkit (nvcc 13.0.88, runtime, CCCL, NVVM), plus the
   math libraries (cuBLAS, cuSPARSE, cuFFT, cuRAND, cuSOLVER, NVRTC, nvJitLink) and nvml.h from
-  NVIDIA's wheels at the versions uv.lock pins (the same files the venvs hold);
+  NVIDIA's wheels at the versions uv.lock pins (the same files the venvs hold), and cuobjdump
+  (DeepEP v2's JIT runs it);
 - the driver stubs, generated from cuda.h and nvml.h: every entry point as an exported symbol,
   sonames libcuda.so.1 and libnvidia-ml.so.1, as the toolkit's own stubs are;
 - cuDNN 9.14.0 (every sub-library) in /usr/lib/x86_64-linux-gnu, with its headers, as the NGC
@@ -45,6 +46,9 @@ MATH_WHEELS = (
 )
 #: nvml.h (HybridEP's multi-node build includes it); not in uv.lock.
 NVML_WHEEL = "nvidia-nvml-dev==13.0.87"
+#: cuobjdump, which DeepEP v2's JIT runs from $CUDA_HOME/bin at run time (NGC's devel image has
+#: it; this machine's toolkit does not). 13.2.51 is the oldest CUDA 13 release on PyPI.
+CUOBJDUMP_WHEEL = "nvidia-cuda-cuobjdump==13.2.51"
 #: The base image's own, older cuDNN (NGC 13.0.2 images and the H200 carry 9.14).
 BASE_CUDNN = "nvidia-cudnn-cu13==9.14.0.64"
 #: The NGC CUDA images' own environment: the driver that a container runtime mounts at
@@ -57,7 +61,7 @@ NGC_ENV = {
     "NVIDIA_VISIBLE_DEVICES": "all",
     "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
 }
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 def locked_pins(names: tuple[str, ...]) -> list[str]:
@@ -83,6 +87,7 @@ def recipe() -> dict[str, object]:
     return {
         "math": locked_pins(MATH_WHEELS),
         "nvml": NVML_WHEEL,
+        "tools": CUOBJDUMP_WHEEL,
         "cudnn": BASE_CUDNN,
         "nvcc": nvcc,
         "env": NGC_ENV,
@@ -132,11 +137,15 @@ def cuda_home(work: Path) -> Path:
             str(wheels),
             *locked_pins(MATH_WHEELS),
             NVML_WHEEL,
+            CUOBJDUMP_WHEEL,
         ],
         check=True,
         timeout=1800,
     )
     cu13 = wheels / "nvidia" / "cu13"
+    for tool in (cu13 / "bin").iterdir():
+        if not (home / "bin" / tool.name).exists():
+            shutil.move(str(tool), home / "bin" / tool.name)
     for header in (cu13 / "include").iterdir():
         if not (home / "include" / header.name).exists():
             shutil.move(str(header), home / "include" / header.name)
