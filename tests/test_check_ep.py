@@ -118,6 +118,10 @@ def test_torch_backend_passes_in_a_plain_process(tmp_path: Path) -> None:
     assert "result: passed (exit 0)" in proc.stdout
     assert f"report: {tmp_path / 'report.json'}" in proc.stdout.splitlines()[-1]
     assert "Traceback" not in proc.stderr
+    # One rank: every token stays on its device, so its GB/s are no link's.
+    bandwidth = step(report, "bandwidth")
+    assert bandwidth["detail"].startswith("one rank: no link crossed, not a link figure: ")
+    assert bandwidth["data"]["link_figure"] is False
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -128,6 +132,7 @@ def test_torch_backend_passes_over_gloo(tmp_path: Path, world: int) -> None:
     # The table and where the report went are printed once (rank 0), not once per rank.
     assert proc.stdout.count("result: passed") == 1
     assert proc.stdout.count("report: ") == 1
+    assert "not a link figure" not in step(report, "bandwidth")["detail"]
 
 
 def test_torch_backend_bf16_under_torchrun(tmp_path: Path) -> None:

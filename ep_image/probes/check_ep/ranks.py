@@ -23,6 +23,8 @@ from typing import Any
 from ep_image.probes._report import EXIT_USAGE, Status, Step, merge_exit_codes, one_line, worst
 
 SHARED_GPU_LABEL = "shared GPU: not a link figure"
+#: The bandwidth of a job of one rank: every token stays on its GPU, no link is crossed.
+ONE_RANK_LABEL = "one rank: no link crossed, not a link figure"
 
 #: Seconds a rank whose step raised waits for its peers to reach the same agreement before it
 #: counts them as blocked in a collective it never joined (capped by --timeout).

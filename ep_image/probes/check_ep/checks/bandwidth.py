@@ -24,7 +24,13 @@ from ep_image.probes.check_ep.checks.context import (
     safely,
     zero_rows,
 )
-from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, Runtime, agree, sync
+from ep_image.probes.check_ep.ranks import (
+    ONE_RANK_LABEL,
+    SHARED_GPU_LABEL,
+    Runtime,
+    agree,
+    sync,
+)
 from ep_image.probes.check_ep.types import Options
 
 
@@ -90,10 +96,12 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
             "timer": "cuda events" if rt.use_gpu else "perf_counter",
             "checked_calls": options.warmup + options.iters,
             "shared_gpu": shared,
-            "link_figure": rt.use_gpu and not shared,
+            "link_figure": rt.use_gpu and not shared and rt.env.world > 1,
         }
         if shared:
             data["note"] = SHARED_GPU_LABEL
+        elif rt.env.world == 1:
+            data["note"] = ONE_RANK_LABEL
         if len(set(rt.node_of_rank)) > 1:
             split = (rt, d.recv_x, nbytes, t_dispatch, t_combine)
             data.update(safely(unreadable, "dispatch", _link_split, *split, fallback={}))
@@ -136,6 +144,8 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
         )
         if shared:
             step.detail = f"{SHARED_GPU_LABEL}: {step.detail}; --min-gbs not applied"
+        elif rt.env.world == 1:
+            step.detail = f"{ONE_RANK_LABEL}: {step.detail}"
     return agree(rt, step, _summarize_bandwidth)
 
 
@@ -188,6 +198,8 @@ def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
             )
         if datas[0].get("shared_gpu"):
             merged.detail = f"{SHARED_GPU_LABEL}: {merged.detail}; --min-gbs not applied"
+        elif len(datas) == 1:
+            merged.detail = f"{ONE_RANK_LABEL}: {merged.detail}"
 
 
 def _bench(
