@@ -13,6 +13,7 @@ decision they are.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from conftest import BROKEN, clean_env
@@ -401,3 +402,63 @@ def test_a_jit_cache_others_can_write_is_refused_before_any_kernel_runs(
         check_ep(*backend("LoadsKernelsFromAnOpenCache"), *SMALL, *QUICK, env=env).proc.returncode
         == 0
     )
+
+
+def _cuda_home_with_nvcc(root: Path) -> Path:
+    """A CUDA home whose bin/ holds only an nvcc that prints its release line, and the header
+    the prerequisites look for."""
+    home = root / "cuda"
+    (home / "bin").mkdir(parents=True)
+    (home / "include").mkdir()
+    (home / "include" / "cuda_runtime.h").write_text("")
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(
+        "#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+        "echo 'Cuda compilation tools, release 13.0, V13.0.88'\n"
+    )
+    nvcc.chmod(0o755)
+    return home
+
+
+def test_a_cuda_home_without_a_tool_the_jit_runs_is_refused_before_any_buffer(
+    check_ep, tmp_path
+) -> None:
+    """DeepEP v2's JIT runs $CUDA_HOME/bin/cuobjdump on every kernel after nvcc made it: in an
+    image whose CUDA home had nvcc and no cuobjdump, prerequisites passed and the first dispatch
+    failed with "kernel_runtime.hpp:33): exit_code == 0" (exit 3). A backend declaring both
+    tools is refused at prerequisites instead, naming cuobjdump and the fix, with no buffer
+    made; it passes once the home holds an executable cuobjdump."""
+    home = _cuda_home_with_nvcc(tmp_path)
+    bin_dir = home / "bin"
+    env = clean_env(CUDA_HOME=str(home))
+    args = [*backend("RunsCuobjdumpAfterNvcc"), *SMALL, *QUICK, "--scenarios", "none"]
+    run = check_ep(*args, env=env)
+    assert run.proc.returncode == 3, run.output
+    prereq = run.step("prerequisites")
+    assert prereq["status"] == "error", prereq
+    assert f"{bin_dir}/cuobjdump" in prereq["detail"], prereq
+    assert "nvidia-cuda-cuobjdump" in prereq["hint"] and "CUDA_HOME" in prereq["hint"], prereq
+    assert "devel" in prereq["hint"], prereq
+    assert prereq["data"]["jit_tools"] == {"nvcc": f"{bin_dir}/nvcc", "cuobjdump": None}
+    assert run.statuses()["buffer"] == "not run"
+    assert run.proc.stdout.count("result: unusable (exit 3)") == 1
+
+    cuobjdump = bin_dir / "cuobjdump"
+    cuobjdump.write_text("#!/bin/sh\nexit 0\n")
+    cuobjdump.chmod(0o755)
+    passing = check_ep(*args, env=env)
+    assert passing.proc.returncode == 0, passing.output
+    prereq = passing.step("prerequisites")
+    assert prereq["data"]["jit_tools"] == {"nvcc": f"{bin_dir}/nvcc", "cuobjdump": str(cuobjdump)}
+    assert "cuobjdump" in prereq["detail"], prereq
+
+
+def test_the_jit_adapters_declare_what_their_jit_runs_from_the_cuda_home() -> None:
+    """ElasticBuffer's JIT runs nvcc, then cuobjdump on every kernel it loads
+    (csrc/jit/kernel_runtime.hpp); HybridEPBuffer's runs only $CUDA_HOME/bin/nvcc
+    (csrc/hybrid_ep/jit/compiler.cu at e0a5b1d9)."""
+    from ep_image.probes.check_ep.adapters.plugins import ADAPTERS
+
+    assert ADAPTERS["ElasticBuffer"].jit_tools == ("nvcc", "cuobjdump")
+    assert ADAPTERS["HybridEPBuffer"].jit_tools == ("nvcc",)
+    assert all(cls.jit_compiles for cls in (ADAPTERS["ElasticBuffer"], ADAPTERS["HybridEPBuffer"]))

@@ -10,6 +10,7 @@ problem ends the step.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,8 @@ Problems = list[tuple[Status, str, str]]
 
 
 def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
-    """GPU placement, world size, CUDA home + nvcc for JIT backends, NCCL and NVSHMEM.
+    """GPU placement, world size, CUDA home and the tools JIT backends run from it, NCCL and
+    NVSHMEM.
 
     Every fact is gathered first, so the report shows all of them even when one problem
     ends the step; the most severe problem decides its status.
@@ -193,23 +195,68 @@ def _check_jit_cache(backend: EPBackend, data: dict[str, Any], problems: Problem
         )
 
 
+#: Where to get a JIT tool a CUDA home lacks, beside a full toolkit (see _check_cuda_home).
+_TOOL_SOURCES = {
+    "cuobjdump": "NVIDIA's nvidia-cuda-cuobjdump wheel has it for CUDA 13 (13.2.51 is the oldest "
+    "cu13 release on PyPI), as nvidia/cu13/bin/cuobjdump: copy that into {bin}",
+}
+
+
 def _check_cuda_home(
     backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
 ) -> None:
+    """The CUDA home the backend's JIT uses, and every tool it runs from its bin/.
+
+    A JIT backend runs its tools by path, ``$CUDA_HOME/bin/<tool>`` (``jit_tools``), not from
+    PATH: a home missing one passed here and failed at the first dispatch (DeepEP v2 without
+    cuobjdump: ``kernel_runtime.hpp:33): exit_code == 0``), so each is looked for there.
+    """
     home, how = _facts.cuda_home()
     nvcc, nvcc_ver = _facts.nvcc_version(home)
     data.update(cuda_home=home, cuda_home_from=how, nvcc=nvcc, nvcc_version=nvcc_ver)
-    why = f"{backend.name} JIT-compiles its kernels at run time"
-    if home is None or nvcc is None:
+    tools = backend.jit_tools
+    runs = _and(f"$CUDA_HOME/bin/{tool}" for tool in tools)
+    why = f"{backend.name} JIT-compiles its kernels at run time and runs {runs}"
+    if home is None:
+        data["jit_tools"] = dict.fromkeys(tools)
         problems.append(
             (
                 Status.ERROR,
-                f"CUDA home {'not found' if home is None else home + ' has no nvcc'}",
-                f"CUDA home not found: set CUDA_HOME to a CUDA 13 toolkit with nvcc; {why}",
+                "CUDA home not found",
+                f"set CUDA_HOME to a CUDA 13 devel toolkit (it has {_and(tools)}); {why}",
             )
         )
-        notes.append("no CUDA home/nvcc")
+        notes.append("no CUDA home")
         return
+    bin_dir = Path(home) / "bin"
+    found = {tool: _executable(bin_dir / tool) for tool in tools}
+    data["jit_tools"] = found
+    missing = [tool for tool, path in found.items() if path is None]
+    if found.get("nvcc") is not None and nvcc != found["nvcc"]:
+        nvcc_ver = None  # the version read was another nvcc's (on PATH), or none
+        problems.append(
+            (
+                Status.ERROR,
+                f"{found['nvcc']} --version names no CUDA release",
+                f"set CUDA_HOME to a CUDA 13 devel toolkit whose bin/nvcc runs; {why}",
+            )
+        )
+    if missing:
+        fixes = [
+            f"install a CUDA 13 devel toolkit at {home} (it has {_and(tools)}) or set "
+            "CUDA_HOME to such a full toolkit"
+        ]
+        fixes += [
+            _TOOL_SOURCES[tool].format(bin=bin_dir) for tool in missing if tool in _TOOL_SOURCES
+        ]
+        problems.append(
+            (
+                Status.ERROR,
+                f"CUDA home {home} ({how}) has no "
+                + ", no ".join(str(bin_dir / tool) for tool in missing),
+                "; ".join(fixes) + f"; {why}",
+            )
+        )
     if not (Path(home) / "include" / "cuda_runtime.h").is_file():
         problems.append(
             (
@@ -219,7 +266,28 @@ def _check_cuda_home(
                 f"and include/); {why}",
             )
         )
-    notes.append(f"CUDA home {home} (nvcc {nvcc_ver})")
+    have = [
+        f"nvcc {nvcc_ver}" if tool == "nvcc" and nvcc_ver else tool
+        for tool, path in found.items()
+        if path is not None
+    ]
+    text = f"CUDA home {home}"
+    if have:
+        text += f" ({', '.join(have)})"
+    if missing:
+        text += f", no {', no '.join(missing)}"
+    notes.append(text)
+
+
+def _and(words: Iterable[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    items = list(words)
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def _executable(path: Path) -> str | None:
+    """``path`` as a string when it is an executable file, else None."""
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def _check_nccl(

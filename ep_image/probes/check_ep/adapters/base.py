@@ -52,8 +52,11 @@ class EPBackend(abc.ABC):
     api: ClassVar[str] = ""
     #: Needs CUDA devices (and an NCCL process group).
     requires_gpu: ClassVar[bool] = True
-    #: Compiles kernels at run time, so it needs a CUDA home with nvcc.
+    #: Compiles kernels at run time, so it needs a CUDA home with the tools of ``jit_tools``.
     jit_compiles: ClassVar[bool] = False
+    #: The programs its JIT runs from ``$CUDA_HOME/bin`` (checked when ``jit_compiles``): the
+    #: prerequisites step fails, naming each one missing, before any buffer is made.
+    jit_tools: ClassVar[tuple[str, ...]] = ("nvcc",)
     #: Token dtypes dispatch accepts, as torch dtype names.
     dtypes: ClassVar[tuple[str, ...]] = ("bfloat16",)
     #: World sizes the backend supports (None: any).

@@ -59,13 +59,19 @@ def jit_cache_facts(env: dict[str, str] | None = None) -> dict[str, Any]:
 class DeepEPv2Backend(EPBackend):
     """DeepEP v2 ``deep_ep.ElasticBuffer`` (non-expanded layout, CPU-synced counts).
 
-    Its kernels are JIT-compiled on first use (CUDA home with nvcc needed) and its import
-    requires NCCL >= 2.30 (``ncclCommQueryProperties``).
+    Its kernels are JIT-compiled on first use (CUDA home with nvcc and cuobjdump needed) and
+    its import requires NCCL >= 2.30 (``ncclCommQueryProperties``).
     """
 
     name = ""  # the backend's, given by adapter_for
     api = "ElasticBuffer"
     jit_compiles = True
+    # Its JIT compiles each kernel to a cubin with $CUDA_HOME/bin/nvcc (csrc/jit/compiler.hpp),
+    # and every kernel it loads, compiled now or found in its cache, goes through
+    # `$CUDA_HOME/bin/cuobjdump -symbols kernel.cubin` (csrc/jit/kernel_runtime.hpp), in
+    # sgl-deep-ep 0.1.2.post1 as at upstream af9a0403. A CUDA home without cuobjdump failed the
+    # first dispatch on an H200: "Assertion exception (kernel_runtime.hpp:33): exit_code == 0".
+    jit_tools = ("nvcc", "cuobjdump")
     min_nccl = (2, 30)
     needs_nccl_group = True
 
