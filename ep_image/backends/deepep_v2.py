@@ -4,7 +4,10 @@ from ep_image.backends._spec import NCCL, BackendSpec, Provider, Variant
 
 SPEC = BackendSpec(
     name="deepep_v2",
-    title="DeepEP v2 (deep_ep.ElasticBuffer; JIT: needs a CUDA home with nvcc at run time)",
+    title=(
+        "DeepEP v2 (deep_ep.ElasticBuffer; JIT: needs a CUDA home with nvcc and cuobjdump at "
+        "run time)"
+    ),
     distribution="sgl-deep-ep",
     layout_marker="buffers/elastic.py",
     api="ElasticBuffer",
