@@ -3,8 +3,11 @@
 Why these tests: the failure check_te exists for (TE built against one cuDNN, another one
 loaded) cannot be staged with TE on a CPU machine, but its ingredients can: this venv holds a
 real cuDNN (nvidia-cudnn-cu13) that torch loads on CPU too, so the maps parsing,
-``cudnnGetVersion`` and the built-vs-loaded verdict run here on real libraries. The GPU steps
-(fused attention, Linear) run on the GPU runner (gpu-probes.yml).
+``cudnnGetVersion`` and the built-vs-loaded verdict run here on real libraries. So does the way
+an environment broke TE's import on the H200 image: a second cuDNN release (the base image's
+9.14, as a wheel) first on LD_LIBRARY_PATH, under TE 2.17's own library lookup (its Python
+package from PyPI). The GPU steps (fused attention, Linear) run on the GPU runner
+(gpu-probes.yml).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from ep_image.probes._report import Status
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "ep_image.probes.check_te"
+#: The base image's cuDNN release (NGC's libcudnn*.so.9.14.0), older than the lock's 9.24.
+OLDER_CUDNN = "nvidia-cudnn-cu13==9.14.0.64"
+#: Transformer Engine's Python package at the lock's tag (its import's cuDNN lookup is
+#: byte-identical to the image's source build of v2.17).
+TE_PYTHON = "transformer-engine==2.17.0"
 
 
 te_absent = pytest.mark.skipif(
@@ -307,15 +315,43 @@ def test_te_exception_is_unusable_with_the_cudnn_fix() -> None:
 # ---------------------------------------------------------------------------------------
 
 STEP_CUDNN = """
-import json, sys
+import ctypes, json, sys
+import torch  # maps the venv's libcudnn.so.9, as any torch process does
 from ep_image.probes import check_te
 from ep_image.probes._report import StepFailed
+errors = []
+for path in sys.argv[2:]:  # by path, as Transformer Engine's import loads cuDNN's files
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        errors.append(str(exc))
+maps = [line.split(maxsplit=5)[5].strip() for line in open("/proc/self/maps")
+        if len(line.split(maxsplit=5)) == 6 and "/libcudnn" in line]
 try:
-    step = check_te.step_cudnn(sys.argv[1])
-    print(json.dumps(step.to_json()))
+    out = check_te.step_cudnn(sys.argv[1]).to_json()
 except StepFailed as exc:
-    print(json.dumps({"status": exc.status.value, "detail": exc.detail, "hint": exc.hint}))
+    out = {"status": exc.status.value, "detail": exc.detail, "hint": exc.hint, "data": exc.data}
+out["load_errors"] = errors
+out["import_verdicts"] = [check_te.import_failure("OSError: " + e, False) for e in errors]
+out["mapped_before_step"] = sorted(set(maps))
+print(json.dumps(out))
 """
+
+
+def step_cudnn_in(python: str, record: Path, *load: Path, search_path: str | None = None) -> dict:
+    """check_te's cudnn step in a fresh ``python`` that first loaded ``load`` by path, with
+    ``search_path`` as its LD_LIBRARY_PATH (unset when None): its JSON, the loader errors
+    those loads met and check_te's import verdict on each."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    if search_path is not None:
+        env["LD_LIBRARY_PATH"] = search_path
+    proc = subprocess.run(
+        [python, "-c", STEP_CUDNN, str(record), *map(str, load)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -330,19 +366,166 @@ def test_torch_refusing_the_loaded_cudnn_still_names_built_and_loaded(tmp_path: 
     python = str(venv / "bin" / "python")
     subprocess.run(["uv", "pip", "install", "-q", "--python", python, f"torch=={torch_version}"],
                    check=True, timeout=900)  # fmt: skip
-    older = "nvidia-cudnn-cu13==9.14.0.64"
     subprocess.run(["uv", "pip", "install", "-q", "--python", python, "--no-deps", "--reinstall",
-                    older], check=True, timeout=900)  # fmt: skip
+                    OLDER_CUDNN], check=True, timeout=900)  # fmt: skip
     record = tmp_path / "te-build.json"
     record.write_text(json.dumps({"skipped": False, "cudnn_version": "9.24.0"}))
-    proc = subprocess.run(
-        [python, "-c", STEP_CUDNN, str(record)], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    step = json.loads(proc.stdout.strip().splitlines()[-1])
+    step = step_cudnn_in(python, record)
     assert step["status"] == "fail", step
     assert "torch refuses the loaded cuDNN" in step["detail"], step["detail"]
     assert "TE was built against cuDNN 9.24.0" in step["detail"]
     assert "cuDNN 9.14.0 from" in step["detail"] and str(venv) in step["detail"]
     assert "scripts/build_te.py" in step["hint"] and "active-cudnn" in step["hint"]
+
+
+# ---------------------------------------------------------------------------------------
+# Two cuDNN releases in one process, and TE's own lookup, on real libraries
+# ---------------------------------------------------------------------------------------
+
+
+def install_target(target: Path, requirement: str) -> Path:
+    """``requirement`` alone (no dependencies) under ``target``, as uv installs it; without
+    this project's uv settings, which declare build dependencies for its own TE build."""
+    cmd = ["uv", "pip", "install", "-q", "--no-config", "--no-deps", "--target", str(target)]
+    subprocess.run([*cmd, requirement], check=True, timeout=900)
+    return target
+
+
+@pytest.fixture(scope="module")
+def older_cudnn_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another cuDNN release's lib directory (9.14, the base image's), for the whole module."""
+    target = install_target(tmp_path_factory.mktemp("older-cudnn"), OLDER_CUDNN)
+    lib = target / "nvidia" / "cudnn" / "lib"
+    assert (lib / "libcudnn_graph.so.9").is_file()
+    return lib
+
+
+@pytest.fixture(scope="module")
+def te_pythonpath(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """PYTHONPATH entries under which ``import transformer_engine`` runs TE 2.17's real cuDNN,
+    NVRTC and cuRAND lookup on this CPU machine.
+
+    TE's Python package from PyPI, plus the metadata (only) of its core package
+    ``transformer-engine-cu13``: TE's import refuses a Python package without a core package
+    before it looks for any library. Past the lookup it fails to find its core library, as a
+    source build does without a GPU driver: check_te's verdict is "cannot run here".
+    """
+    te = install_target(tmp_path_factory.mktemp("te-python"), TE_PYTHON)
+    core = tmp_path_factory.mktemp("te-core-metadata")
+    dist_info = core / "transformer_engine_cu13-2.17.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: transformer_engine_cu13\nVersion: 2.17.0\n"
+    )
+    (dist_info / "RECORD").write_text(f"{dist_info.name}/METADATA,,\n")
+    return os.pathsep.join([str(te), str(core)])
+
+
+def venv_cudnn_lib() -> Path:
+    """This venv's cuDNN wheel directory (the lock's nvidia-cudnn-cu13), real path."""
+    cudnn_wheel_version()
+    spec = importlib.util.find_spec("nvidia.cudnn")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations))).resolve() / "lib"
+
+
+def cudnn_record(tmp_path: Path) -> Path:
+    """A te-build.json saying TE was built against this venv's cuDNN, as the image's says."""
+    record = tmp_path / "te-build.json"
+    built = ".".join(map(str, cudnn_wheel_version()))
+    record.write_text(json.dumps({"skipped": False, "cudnn_version": built}))
+    return record
+
+
+def te_env(te_pythonpath: str, record: Path, **extra: str) -> dict[str, str]:
+    """The environment for check_te with TE's Python package: no cuDNN variables or loader
+    path of the caller's, then ``extra``."""
+    drop = {"CUDNN_PATH", "CUDNN_HOME", "LD_LIBRARY_PATH"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), te_pythonpath])
+    env["EP_TE_BUILD_INFO"] = str(record)
+    return {**env, **extra}
+
+
+@pytest.mark.slow
+def test_a_process_mixing_two_cudnn_releases_fails_the_cudnn_step(
+    tmp_path: Path, older_cudnn_lib: Path
+) -> None:
+    """The venv's libcudnn_ops.so.9 loaded by path while 9.14 comes first on LD_LIBRARY_PATH:
+    its RUNPATH loses to LD_LIBRARY_PATH, so it binds 9.14's libcudnn_graph.so.9 beside the
+    venv's libcudnn.so.9. The step lists each directory with its release and names the search
+    path as the cause; the same loads with only the venv's cuDNN, or with it first, pass."""
+    venv_lib = venv_cudnn_lib()
+    record = cudnn_record(tmp_path)
+    ops = venv_lib / "libcudnn_ops.so.9"
+    wheel = ".".join(map(str, cudnn_wheel_version()))
+    step = step_cudnn_in(sys.executable, record, ops, search_path=str(older_cudnn_lib))
+    assert step["load_errors"] == []
+    assert str(older_cudnn_lib / "libcudnn_graph.so.9") in step["mapped_before_step"]
+    assert step["status"] == "fail", step
+    detail, hint = step["detail"], step["hint"]
+    assert "cuDNN libraries from 2 directories are mapped" in detail, detail
+    assert f"{older_cudnn_lib} (9.14.0): libcudnn_graph.so.9" in detail, detail
+    assert f"{venv_lib} ({wheel}): " in detail and "libcudnn_ops.so.9" in detail, detail
+    assert f"put {venv_lib} first on LD_LIBRARY_PATH" in hint, hint
+    assert f"remove {older_cudnn_lib} from LD_LIBRARY_PATH" in hint, hint
+    assert "/opt/venvs/active-cudnn" in hint and "build_te" not in hint, hint
+    for search_path in (None, f"{venv_lib}:{older_cudnn_lib}"):
+        step = step_cudnn_in(sys.executable, record, ops, search_path=search_path)
+        assert step["status"] == "pass", (search_path, step)
+        dirs = step["data"]["libraries"]["dirs"]
+        assert dirs == {str(venv_lib): wheel}, step["data"]["libraries"]
+
+
+@pytest.mark.slow
+def test_another_release_first_on_the_search_path_fails_though_nothing_stayed_mapped(
+    tmp_path: Path, older_cudnn_lib: Path
+) -> None:
+    """The image's case: 9.14 first on LD_LIBRARY_PATH, then the venv's
+    libcudnn_heuristic.so.9 loaded by path (TE's import does it) fails with ``undefined
+    symbol ..., version libcudnn_graph.so.9`` and the loader rolls the load back, so only the
+    venv's cuDNN stays mapped. The cudnn step used to pass; now it fails naming 9.14's
+    directory and the search path, and the import error gets the same cause and fix."""
+    venv_lib = venv_cudnn_lib()
+    record = cudnn_record(tmp_path)
+    heuristic = venv_lib / "libcudnn_heuristic.so.9"
+    step = step_cudnn_in(sys.executable, record, heuristic, search_path=str(older_cudnn_lib))
+    (error,) = step["load_errors"]
+    assert "version libcudnn_graph.so.9" in error, error
+    assert all(Path(p).parent == venv_lib for p in step["mapped_before_step"]), step
+    assert step["status"] == "fail", step
+    assert f"{older_cudnn_lib} (9.14.0): " in step["detail"], step["detail"]
+    assert "libcudnn_graph.so.9" in step["detail"]
+    fix = f"put {venv_lib} first on LD_LIBRARY_PATH"
+    assert fix in step["hint"] and str(older_cudnn_lib) in step["hint"], step["hint"]
+    ((status, detail, hint),) = step["import_verdicts"]
+    assert status == "error", detail  # not "cannot run here": the search path, on any node
+    assert f"came from {older_cudnn_lib / 'libcudnn_graph.so.9'} (9.14.0)" in detail, detail
+    assert fix in hint and "build_te" not in hint, hint
+
+
+@te_absent
+@pytest.mark.slow
+def test_te_import_with_another_cudnn_first_on_the_search_path(
+    tmp_path: Path, te_pythonpath: str, older_cudnn_lib: Path
+) -> None:
+    """check_te end to end, TE's own import doing the loading: with 9.14 first on
+    LD_LIBRARY_PATH the cudnn step fails naming it and the fix, after any import outcome. TE
+    loads the venv's cuDNN files in directory order; where a sub-library comes before
+    libcudnn_graph.so.9 (as on the H200 image), its import fails and names the same cause."""
+    env = te_env(te_pythonpath, cudnn_record(tmp_path), LD_LIBRARY_PATH=str(older_cudnn_lib))
+    run = run_probe_in(tmp_path, "check_te.py", env=env, timeout=120)
+    venv_lib = venv_cudnn_lib()
+    fix = f"put {venv_lib} first on LD_LIBRARY_PATH"
+    cudnn = run.step("cudnn")
+    assert cudnn["status"] == "fail", run.output
+    assert f"{older_cudnn_lib} (9.14.0): " in cudnn["detail"] and fix in cudnn["hint"]
+    imp = run.step("import")
+    assert imp["status"] in ("error", "skip"), run.output
+    if imp["status"] == "error":
+        assert "version libcudnn_graph.so.9" in imp["detail"], imp
+        assert fix in imp["hint"] and "build_te" not in imp["hint"], imp
+    else:
+        assert "core lib" in imp["detail"], imp
+    assert run.proc.returncode == (3 if imp["status"] == "error" else 1), run.output
+    assert f"fix: {cudnn['hint']}" in run.proc.stdout

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ep_image import cli
-from ep_image.probes import _facts, _venv_record
+from ep_image.probes import _cudnn_libs, _facts, _venv_record
 from ep_image.probes._report import (
     Status,
     Step,
@@ -178,6 +178,29 @@ def _mapped_name(real: str, mapped: list[str]) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def import_failure(text: str, gpu: bool) -> tuple[Status, str, str]:
+    """How a failed TE import ends: ``(status, detail, hint)``.
+
+    A library bound to a cuDNN sub-library of another release (``undefined symbol ...,
+    version libcudnn_graph.so.9``) is an error on any node, and its fix is the search path that
+    found the other release, not TE's build. Anything else cannot be judged without a GPU (TE
+    needs the driver to load); with one, TE's build is the suspect.
+    """
+    foreign = _cudnn_libs.foreign_sublibrary(text)
+    if foreign is not None:
+        return Status.ERROR, f"import failed: {one_line(text)}: {foreign[0]}", foreign[1]
+    if not gpu:
+        return (
+            Status.SKIP,
+            f"transformer_engine is installed but does not load without a GPU: {text}",
+            "no GPU visible: run on a GPU node",
+        )
+    hint = INSTALL_HINT
+    if "cudnn" in text.lower():
+        hint = "TE and the loaded cuDNN disagree: " + INSTALL_HINT
+    return Status.ERROR, f"import failed: {text}", hint
+
+
 def step_import() -> tuple[Step, Any]:
     """Import TE's torch API; MISSING when TE is not installed at all."""
     te = None
@@ -204,18 +227,8 @@ def step_import() -> tuple[Step, Any]:
             import transformer_engine.pytorch as te
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
-            gpu = torch.cuda.is_available()
-            if not gpu:
-                raise StepFailed(
-                    Status.SKIP,
-                    f"transformer_engine is installed but does not load without a GPU: {text}",
-                    "no GPU visible: run on a GPU node",
-                    step.data,
-                ) from None
-            hint = INSTALL_HINT
-            if "cudnn" in text.lower():
-                hint = "TE and the loaded cuDNN disagree: " + INSTALL_HINT
-            raise StepFailed(Status.ERROR, f"import failed: {text}", hint, step.data) from None
+            status, detail, hint = import_failure(text, torch.cuda.is_available())
+            raise StepFailed(status, detail, hint, step.data) from None
         step.data["version"] = getattr(transformer_engine, "__version__", step.data["version"])
         step.data["module_path"] = getattr(transformer_engine, "__file__", None)
         step.detail = (
@@ -261,12 +274,35 @@ def with_torch_refusal(
     )
 
 
+def with_library_mix(
+    verdict: tuple[Status, str, str, dict[str, Any]], libs: dict[str, Any]
+) -> tuple[Status, str, str, dict[str, Any]]:
+    """``verdict`` with the survey of every mapped cuDNN library in its data; a failure naming
+    each directory, release and the search-path cause when the process mixes cuDNN releases or
+    LD_LIBRARY_PATH would mix them. That cause comes first: the version torch or
+    ``cudnnGetVersion`` reports in a mixed process is whichever ``libcudnn_graph`` won."""
+    status, _detail, _hint, data = verdict
+    data["libraries"] = libs
+    mixed = _cudnn_libs.judge(libs)
+    if mixed is None:
+        return verdict
+    mix_detail, mix_hint = mixed
+    if status is not Status.PASS and data.get("loaded"):
+        mix_detail += f"; libcudnn.so reports {data['loaded']}" + (
+            " (torch refuses it)" if data.get("torch_refuses") else ""
+        )
+        if data.get("built"):
+            mix_detail += f", TE was built against {data['built']}"
+    return Status.FAIL, mix_detail, mix_hint, data
+
+
 def step_cudnn(build_info_path: str) -> Step:
     with timed_step("cudnn") as step:
         refusal = torch_loads_cudnn()
         info = _facts.read_json_file(build_info_path)
         verdict = compare_cudnn(info, build_info_path, _facts.loaded_cudnn())
-        status, detail, hint, data = with_torch_refusal(verdict, refusal)
+        verdict = with_torch_refusal(verdict, refusal)
+        status, detail, hint, data = with_library_mix(verdict, _cudnn_libs.survey())
         dist = _facts.dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
         data["cudnn_dist"] = f"{dist[0]} {dist[1]}" if dist else None
         step.data = data
@@ -435,9 +471,10 @@ def run(args: argparse.Namespace) -> int:
     steps: list[Step] = []
     imp, te = step_import()
     steps.append(imp)
-    if imp.status == Status.ERROR:
-        # TE is there but does not load: which cuDNN it was built against and which one is
-        # loaded is still the answer (torch refusing the loaded cuDNN stops TE's import).
+    if imp.status in (Status.ERROR, Status.SKIP):
+        # TE is there but does not load (or not without a GPU): which cuDNN it was built
+        # against, which one is loaded and from where is still the answer, and needs no GPU
+        # (torch refusing the loaded cuDNN, or two cuDNN releases meeting, stops TE's import).
         steps.append(step_cudnn(build_info_path))
         steps += [
             Step(n, Status.NOT_RUN, detail=f"not run: import ended '{imp.status.value}'")
