@@ -3,11 +3,11 @@
 Why these tests: the failure check_te exists for (TE built against one cuDNN, another one
 loaded) cannot be staged with TE on a CPU machine, but its ingredients can: this venv holds a
 real cuDNN (nvidia-cudnn-cu13) that torch loads on CPU too, so the maps parsing,
-``cudnnGetVersion`` and the built-vs-loaded verdict run here on real libraries. So does the way
-an environment broke TE's import on the H200 image: a second cuDNN release (the base image's
-9.14, as a wheel) first on LD_LIBRARY_PATH, under TE 2.17's own library lookup (its Python
-package from PyPI). The GPU steps (fused attention, Linear) run on the GPU runner
-(gpu-probes.yml).
+``cudnnGetVersion`` and the built-vs-loaded verdict run here on real libraries. So do the two
+ways an environment broke TE's import on the H200 image: a second cuDNN release (the base
+image's 9.14, as a wheel) first on LD_LIBRARY_PATH, and TE 2.17's own library lookup (its Python
+package from PyPI) with CUDNN_PATH set empty. The GPU steps (fused attention, Linear) run on the
+GPU runner (gpu-probes.yml).
 """
 
 from __future__ import annotations
@@ -445,6 +445,52 @@ def te_env(te_pythonpath: str, record: Path, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), te_pythonpath])
     env["EP_TE_BUILD_INFO"] = str(record)
     return {**env, **extra}
+
+
+@te_absent
+@pytest.mark.slow
+def test_empty_cudnn_variables_mean_unset(tmp_path: Path, te_pythonpath: str) -> None:
+    """``-e CUDNN_PATH= -e CUDNN_HOME=``: TE 2.17's lookup skips only unset variables and
+    globbed ``/**/libcudnn.so*`` (through /proc), so check_te never printed anything. Now it
+    ends in seconds with the verdict and the cuDNN directories it gets with them unset."""
+    record = cudnn_record(tmp_path)
+    venv_lib = venv_cudnn_lib()
+    runs = {}
+    for label, extra in (("unset", {}), ("empty", {"CUDNN_PATH": "", "CUDNN_HOME": ""})):
+        (tmp_path / label).mkdir()
+        try:
+            runs[label] = run_probe_in(
+                tmp_path / label, "check_te.py", env=te_env(te_pythonpath, record, **extra),
+                timeout=40,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"check_te with the cuDNN variables {label} ran past 40 s")
+    for label, run in runs.items():
+        assert run.proc.returncode == 5, (label, run.output)
+        assert run.statuses() == {"import": "skip", "cudnn": "pass", "fused_attention": "not run",
+                                  "linear": "not run"}, (label, run.output)  # fmt: skip
+        assert "core lib" in run.step("import")["detail"]
+        mapped = {m["dir"] for m in run.step("cudnn")["data"]["libraries"]["mapped"]}
+        assert mapped == {str(venv_lib)}, (label, mapped)
+    empty, unset = runs["empty"], runs["unset"]
+    assert empty.step("import")["data"]["lookup_env_ignored"] == {"CUDNN_HOME": "",
+                                                                  "CUDNN_PATH": ""}  # fmt: skip
+    assert unset.step("import")["data"]["lookup_env_ignored"] == {}
+    assert "CUDNN_HOME='', CUDNN_PATH='': taken as unset" in empty.step("import")["detail"]
+    same = ("loaded_path", "libraries")
+    assert {k: empty.step("cudnn")["data"][k] for k in same} == {
+        k: unset.step("cudnn")["data"][k] for k in same
+    }
+
+
+def test_unbounded_lookup_values() -> None:
+    """Empty and / (also spelt // or /.) would make TE search the whole file system; a real
+    directory, a relative name that is not /, and unset variables are left to TE."""
+    env = {"CUDNN_PATH": "", "CUDNN_HOME": "//", "CUDA_HOME": "/usr/local/cuda",
+           "CUDA_PATH": "/.", "NVRTC_HOME": "cuda", "OTHER": ""}  # fmt: skip
+    assert check_te.unbounded_lookup_vars(env) == {
+        "CUDNN_PATH": "", "CUDNN_HOME": "//", "CUDA_PATH": "/."
+    }  # fmt: skip
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,6 +37,14 @@ FUSED_ONLY_ENV = {"NVTE_FUSED_ATTN": "1", "NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_
 ATTN_FWD_TOL = 2e-2
 ATTN_BWD_TOL = 5e-2
 LINEAR_TOL = 2e-2
+#: The variables Transformer Engine's import searches for cuDNN, NVRTC and cuRAND, in its order
+#: (transformer_engine/common/__init__.py, ``_load_cuda_library_from_system``): for each one that
+#: is set, it globs ``<value>/**/lib<name>.so*`` recursively, and it skips only an *unset* one.
+TE_LOOKUP_VARS = (
+    *(f"{lib}_{kind}" for lib in ("CUDNN", "NVRTC", "CURAND") for kind in ("HOME", "PATH")),
+    "CUDA_HOME",
+    "CUDA_PATH",
+)
 INSTALL_HINT = (
     "install Transformer Engine built from source against this venv's cuDNN: "
     "python3 scripts/build_te.py (the `moe` extra pins it), or activate the image's venv"
@@ -178,6 +186,17 @@ def _mapped_name(real: str, mapped: list[str]) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def unbounded_lookup_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """TE's lookup variables whose value would make its recursive glob walk the whole file
+    system: empty (``docker run -e CUDNN_PATH=``; TE globs ``/**/libcudnn.so*``, through /proc
+    and /sys, and its import never ends) or naming ``/`` itself."""
+    return {
+        name: environ[name]
+        for name in TE_LOOKUP_VARS
+        if name in environ and (not environ[name] or os.path.realpath(environ[name]) == "/")
+    }
+
+
 def import_failure(text: str, gpu: bool) -> tuple[Status, str, str]:
     """How a failed TE import ends: ``(status, detail, hint)``.
 
@@ -202,7 +221,13 @@ def import_failure(text: str, gpu: bool) -> tuple[Status, str, str]:
 
 
 def step_import() -> tuple[Step, Any]:
-    """Import TE's torch API; MISSING when TE is not installed at all."""
+    """Import TE's torch API; MISSING when TE is not installed at all.
+
+    TE's lookup variables that would make its import search all of / are removed from this
+    process's environment first, so that an empty one means unset here, as a user who wrote
+    ``-e CUDNN_PATH=`` meant; TE itself skips only an unset one, so the step names them: TE in
+    any other process would still hang on them.
+    """
     te = None
     with timed_step("import") as step:
         found = _facts.dist_version(*_facts.TE_DISTRIBUTIONS)
@@ -220,6 +245,18 @@ def step_import() -> tuple[Step, Any]:
                 INSTALL_HINT,
                 step.data,
             )
+        ignored = unbounded_lookup_vars(os.environ)
+        for name in ignored:
+            del os.environ[name]
+        step.data["lookup_env"] = {n: os.environ.get(n) for n in TE_LOOKUP_VARS}
+        step.data["lookup_env_ignored"] = ignored
+        note = ""
+        if ignored:
+            names = ", ".join(f"{n}={v!r}" for n, v in ignored.items())
+            note = (
+                f" ({names}: taken as unset here; unset them, since TE's own import searches "
+                "all of / for such a value and never ends)"
+            )
         import torch
 
         try:
@@ -228,12 +265,12 @@ def step_import() -> tuple[Step, Any]:
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             status, detail, hint = import_failure(text, torch.cuda.is_available())
-            raise StepFailed(status, detail, hint, step.data) from None
+            raise StepFailed(status, detail + note, hint, step.data) from None
         step.data["version"] = getattr(transformer_engine, "__version__", step.data["version"])
         step.data["module_path"] = getattr(transformer_engine, "__file__", None)
         step.detail = (
             f"transformer_engine {step.data['version']} at {step.data['module_path']}; "
-            f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}){note}"
         )
     return step, te
 
