@@ -136,7 +136,13 @@ def context_state() -> dict[str, object]:
 
 def build(args: argparse.Namespace) -> int:
     buildah = buildah_here()
-    base = standin_image(buildah)
+    base = args.base or standin_image(buildah)
+    if args.base and buildah("images", "--quiet", args.base, check=False).returncode != 0:
+        print(
+            f"--base {args.base}: no such image in {STORE}; load or pull it there first",
+            file=sys.stderr,
+        )
+        return 2
     print(f"base: {base}", flush=True)
     build_args = {
         "BASE_IMAGE": base,
@@ -270,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=BARE_REPO",
         help=f"a bare git mirror to serve, NAME one of {sorted(GITHUB)}",
+    )
+    b.add_argument(
+        "--base",
+        help="build FROM this image in the harness's storage (a loaded NGC image, an earlier "
+        "stand-in) instead of the stand-in the current recipe makes",
     )
     b.add_argument("--arch-list", default="9.0")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
