@@ -120,12 +120,14 @@ def test_the_uv_block_runs_as_typed(fresh: Path) -> None:
 
 @pytest.mark.slow
 def test_the_design_card_lines(fresh: Path) -> None:
-    """The top block's uv lines: `uv sync --extra hybridep` compiles HybridEP from GitHub (or a
+    """The top block's lines after its bootstrap line: `uv sync --extra hybridep` compiles HybridEP from GitHub (or a
     mirror) for many minutes, so CI runs it as far as uv's plan (the pinned commit, from git);
     `uv run probes/check_ep.py` runs whole, on this machine without a GPU: exit 5."""
     card = block_with("docker build")
     sync = next(line for line in card if line.startswith("uv sync"))
-    prefix = 'eval "$(python3 scripts/bootstrap.py --shell)"\n'
+    # The card's own bootstrap line, as typed: without it a fresh shell has no uv.
+    prefix = next(line for line in card if line.startswith("eval ")) + "\n"
+    assert card.index(prefix.strip()) < card.index(sync), "the card runs uv before it has uv"
     proc = fresh_shell(fresh, prefix + sync + " --dry-run")
     assert proc.returncode == 0, proc.stderr
     url, rev = project.git_source(backends.read_pyproject(ROOT), "deep-ep", "hybridep")
