@@ -97,6 +97,16 @@ def test_hadolint_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_no_frontend_image_is_fetched() -> None:
+    """No `# syntax=` parser directive: BuildKit would pull that frontend image from a registry
+    before building anything, which an air-gapped builder cannot."""
+    directives = takewhile(
+        lambda m: m is not None,
+        (re.match(r"#\s*(\w+)\s*=", line) for line in DOCKERFILE.read_text().splitlines()),
+    )  # parser directives end at the file's first line that is not one
+    assert "syntax" not in {m.group(1).lower() for m in directives if m}
+
+
 def test_generated_stages_match_the_registry() -> None:
     """ep-<backend> and image-<EP> stages are the registry's, rendered; nothing stale."""
     text = DOCKERFILE.read_text()
