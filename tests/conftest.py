@@ -20,6 +20,9 @@ import pytest
 
 from ep_image import child_env
 
+# After a failed run: prune the kept temporary directory and say where it is.
+pytest_plugins = ["_tmp_retention"]
+
 ROOT = Path(__file__).resolve().parents[1]
 # Child Pythons (probes, ranks, make_venv) import this checkout's ep_image and the fixtures, as
 # pytest itself does (pyproject.toml's pythonpath).

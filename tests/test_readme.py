@@ -120,9 +120,9 @@ def test_the_uv_block_runs_as_typed(fresh: Path) -> None:
 
 @pytest.mark.slow
 def test_the_design_card_lines(fresh: Path) -> None:
-    """The top block's lines after its bootstrap line: `uv sync --extra hybridep` compiles HybridEP from GitHub (or a
-    mirror) for many minutes, so CI runs it as far as uv's plan (the pinned commit, from git);
-    `uv run probes/check_ep.py` runs whole, on this machine without a GPU: exit 5."""
+    """The top block's lines after its bootstrap line: `uv sync --extra hybridep` compiles
+    HybridEP from GitHub (or a mirror) for many minutes, so CI runs it as far as uv's plan (the
+    pinned commit, from git); `uv run probes/check_ep.py` runs whole, here without a GPU: exit 5."""
     card = block_with("docker build")
     sync = next(line for line in card if line.startswith("uv sync"))
     # The card's own bootstrap line, as typed: without it a fresh shell has no uv.
