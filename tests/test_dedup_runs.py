@@ -12,6 +12,7 @@ the real process group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -534,6 +535,44 @@ def test_a_system_tree_is_refused_at_once(root: str) -> None:
     assert "a system tree, not a tree of venvs" in proc.stderr
     assert last_line(proc.stderr).startswith("dedup: fix: give the venvs' directories")
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("root", ["/mnt", "/media", "/var/tmp"])
+def test_mount_points_are_system_trees_but_what_lies_below_them_is_not(root: str) -> None:
+    """/mnt holds every disk mounted there: refused. /mnt/data/venvs is a ROOT like any other."""
+    from ep_image.build_steps import dedup
+
+    assert root in dedup.SYSTEM_TREES
+    assert f"{root}/data/venvs" not in dedup.SYSTEM_TREES
+
+
+def hold_dedup_lock(*roots: Path) -> contextlib.AbstractContextManager[None]:
+    """The locks a dedup run on ``roots`` holds while it links (dedup.lock_roots)."""
+    from ep_image.build_steps import dedup
+
+    return dedup.lock_roots(dedup.resolve_roots(roots)[0])
+
+
+def test_runs_on_nested_or_overlapping_trees_are_refused_and_siblings_run(tmp_path: Path) -> None:
+    """With p/a being deduplicated, `dedup --dry-run p` walked p/a as it was relinked (rc 0).
+    A run on a tree around, inside or overlapping one being linked is refused with the same
+    one line as a run on the same trees; a run on a sibling tree is not held up."""
+    p = tmp_path / "p"
+    for tree in ("a/x", "b", "c"):
+        (p / tree).mkdir(parents=True)
+        (p / tree / "f.bin").write_bytes(b"same bytes\n" * 100)
+    with hold_dedup_lock(p / "a"):
+        for roots in ([p], [p / "a" / "x"], [p / "a"], [p / "c", p / "a" / "x"], [tmp_path]):
+            proc = run_dedup("--dry-run", *roots)
+            assert proc.returncode == 2, (roots, proc.stdout + proc.stderr)
+            assert "another dedup run is working on" in proc.stderr, proc.stderr
+            assert last_line(proc.stderr).startswith("dedup: fix: wait for it to end")
+        sibling = run_dedup("--dry-run", p / "b", p / "c")
+        assert sibling.returncode == 0, sibling.stdout + sibling.stderr
+    with hold_dedup_lock(p):  # the other way round: the run below meets the one around it
+        proc = run_dedup("--dry-run", p / "a")
+        assert proc.returncode == 2 and f"working on {p}." in proc.stderr, proc.stderr
+    assert run_dedup("--dry-run", p).returncode == 0  # released with the run
 
 
 def test_a_second_run_on_the_same_trees_is_refused_while_the_first_links(

@@ -54,10 +54,12 @@ _NOT_PY = r"([^.]..|.[^p].|..[^y])$"
 
 
 #: Trees no ROOT may be: the file system's root and its system directories (a dedup of ``/``
-#: would walk, and hardlink, the whole machine).
+#: would walk, and hardlink, the whole machine). Only these exact tops: ``/mnt/data/venvs``
+#: is a ROOT like any other, ``/mnt`` (every mounted disk) is not.
 SYSTEM_TREES = frozenset(
-    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
-     "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var"}
+    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+     "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys",
+     "/tmp", "/usr", "/var", "/var/tmp"}
 )  # fmt: skip
 
 
@@ -111,19 +113,33 @@ def dedup(
 
 @contextlib.contextmanager
 def lock_roots(paths: list[Path]) -> Iterator[None]:
-    """Hold an exclusive lock on each ROOT directory for the run: a second dedup of the same
-    trees would walk them while the first links them, and book what it did not do."""
+    """Lock each ROOT exclusively and every directory above it shared, for the run.
+
+    Why: a second dedup of the same trees, or of a tree inside or around them, would walk them
+    while the first links them, and book what it did not do. A run on ``p`` (``p`` exclusive)
+    and one on ``p/a`` (``p`` shared) exclude each other; runs on ``p/a`` and ``p/b`` do not.
+    """
     with contextlib.ExitStack() as stack:
-        for path in paths:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            stack.callback(os.close, fd)
+        # Top down, in one order for every run: of two runs that overlap one is refused, never
+        # both.
+        wanted = {parent: fcntl.LOCK_SH for path in paths for parent in path.parents}
+        wanted |= dict.fromkeys(paths, fcntl.LOCK_EX)
+        for path in sorted(wanted, key=lambda p: (len(p.parts), str(p))):
+            root = wanted[path] == fcntl.LOCK_EX
+            what = f"{path} or a tree inside it" if root else str(path)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                stack.callback(os.close, fd)
+                fcntl.flock(fd, wanted[path] | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise DedupError(
-                    f"another dedup run is working on {path}. Nothing was changed.",
+                    f"another dedup run is working on {what}. Nothing was changed.",
                     "wait for it to end (its report is the one to read), then run again if needed",
                 ) from None
+            except OSError:
+                if root:
+                    raise
+                # An ancestor this user cannot open or lock: no run of this user's holds it.
         yield
 
 
