@@ -40,7 +40,7 @@ def find_uv() -> str:
         return str(candidate)
     raise ToolError(
         f"uv not found on PATH. Install uv {UV_VERSION}, the version that wrote uv.lock and that "
-        "README and CI use: `python3 -m ep_image.build_steps.bootstrap` "
+        "README and CI use: `python3 scripts/bootstrap.py` "
         f"(from PyPI, into {candidate.parent}), "
         f"or `python3 -m pip install uv=={UV_VERSION}`"
     )

@@ -18,5 +18,5 @@ elif python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; 
 elif command -v uv >/dev/null; then
     exec uv run --no-project --python '>=3.11' python -m ep_image.build_steps.host "$@"
 fi
-echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 -m ep_image.build_steps.bootstrap" >&2
+echo "build_host.sh: needs Python >= 3.11, or uv to fetch one: python3 scripts/bootstrap.py" >&2
 exit 1

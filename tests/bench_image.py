@@ -144,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("run as root: buildah with chroot isolation and debootstrap need it")
     for tool in ("buildah", "debootstrap"):
         if shutil.which(tool) is None:
-            parser.error(
-                f"{tool} not installed (python3 -m ep_image.build_steps.bootstrap --tests)"
-            )
+            parser.error(f"{tool} not installed (python3 scripts/bootstrap.py --tests)")
     parent = store_parent()
     driver, why = storage_driver(parent)
     print(f"storage driver: {driver} ({why})", file=sys.stderr)

@@ -128,7 +128,7 @@ def test_recorded_list_matches_setup_py_source() -> None:
 
 @pytest.mark.skipif(
     shutil.which("make") is None,
-    reason="GNU make absent here: python3 -m ep_image.build_steps.bootstrap --tests installs it",
+    reason="GNU make absent here: python3 scripts/bootstrap.py --tests installs it",
 )
 def test_nccl_make_runs_without_the_cxx20_flag_the_extensions_get(
     declared: dict[str, str], tmp_path: Path

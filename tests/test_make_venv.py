@@ -51,10 +51,7 @@ def test_uv_missing_names_the_pinned_version(tmp_path: Path) -> None:
         pytest.skip("uv is installed system-wide here")
     proc = make_venv("--backend", "deepep_v2", "--prefix", tmp_path / "venvs", env=env)
     assert proc.returncode == 1
-    assert (
-        f"uv {tools.UV_VERSION}" in proc.stderr
-        and "python3 -m ep_image.build_steps.bootstrap" in proc.stderr
-    )
+    assert f"uv {tools.UV_VERSION}" in proc.stderr and "python3 scripts/bootstrap.py" in proc.stderr
 
 
 def test_help_reads_like_documentation() -> None:
@@ -126,8 +123,7 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
     )
     if missing_rdma_headers():
         pytest.skip(
-            "rdma-core headers missing "
-            "(python3 -m ep_image.build_steps.bootstrap --tests installs them)"
+            "rdma-core headers missing (python3 scripts/bootstrap.py --tests installs them)"
         )
     env = {
         **os.environ,
@@ -171,8 +167,7 @@ def test_hybridep_preflight_names_the_missing_toolkit_before_any_download(tmp_pa
 
 @pytest.mark.skipif(
     shutil.which("cc") is None,
-    reason="the stand-in HybridEP needs a C compiler "
-    "(python3 -m ep_image.build_steps.bootstrap --tests)",
+    reason="the stand-in HybridEP needs a C compiler (python3 scripts/bootstrap.py --tests)",
 )
 def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: Path) -> None:
     """Host mode's HybridEP build: the git source through url.<mirror>.insteadOf, and
@@ -297,16 +292,14 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(
     shutil.which("cc") is None,
-    reason="the stand-in DeepEP needs a C compiler "
-    "(python3 -m ep_image.build_steps.bootstrap --tests)",
+    reason="the stand-in DeepEP needs a C compiler (python3 scripts/bootstrap.py --tests)",
 )
 def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
     """Host mode: DeepEP v1 and HybridEP from their git commits (stand-ins of both layouts,
     through a mirror), each built by make_venv against its venv's NVSHMEM, then deduplicated."""
     if missing_rdma_headers():
         pytest.skip(
-            "rdma-core headers missing "
-            "(python3 -m ep_image.build_steps.bootstrap --tests installs them)"
+            "rdma-core headers missing (python3 scripts/bootstrap.py --tests installs them)"
         )
     version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(tmp_path / "mirror", version, dict(os.environ),
@@ -417,7 +410,7 @@ def test_build_host_without_a_python_to_run_it_says_how_to_get_one(tmp_path: Pat
                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "needs Python >= 3.11" in proc.stderr
-    assert "python3 -m ep_image.build_steps.bootstrap" in proc.stderr
+    assert "python3 scripts/bootstrap.py" in proc.stderr
 
 
 def test_complete_needs_a_skeleton_of_this_lock_and_skip_list(tmp_path: Path) -> None:

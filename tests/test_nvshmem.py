@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(
     CC is None,
-    reason="needs a C compiler (python3 -m ep_image.build_steps.bootstrap --tests installs gcc)",
+    reason="needs a C compiler (python3 scripts/bootstrap.py --tests installs gcc)",
 )
 
 

@@ -128,3 +128,21 @@ def test_an_explicit_choice_is_kept() -> None:
     env = {"UV_SYSTEM_CERTS": "0", "SSL_CERT_DIR": "/etc/ssl/certs"}
     assert tools.use_system_trust_store(env) == "UV_SYSTEM_CERTS=0 (as set)"
     assert env["UV_SYSTEM_CERTS"] == "0"
+
+
+def test_the_shell_line_carries_the_trust_choice(index: dict, venv: Path) -> None:
+    """README's `eval "$(python3 scripts/bootstrap.py --shell)"`, then a plain uv in that shell:
+    it trusts the machine's store as the project's own commands do."""
+    uv_line = (
+        f"uv pip install --python {venv}/bin/python --index-url {index['url']} --no-cache tinypkg"
+    )
+    script = f'eval "$({sys.executable} {ROOT}/scripts/bootstrap.py --shell)" && {uv_line}'
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("adding a CA to the system's store for one command needs root and unshare")
+    bind = f'mount --bind {index["store"]} {SYSTEM_BUNDLE} && exec sh -c "$0"'
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, script],
+        env=no_trust(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (next(venv.glob("lib/python3*/site-packages")) / "tinypkg" / "__init__.py").is_file()

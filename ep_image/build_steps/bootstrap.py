@@ -151,12 +151,15 @@ def ensure_test_packages() -> None:
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
-def shell_line(uv_dir: Path) -> str:
-    """``export PATH=...`` with ``uv_dir`` first, unless PATH already leads with it."""
+def shell_line(uv_dir: Path, trust: dict[str, str]) -> str:
+    """``export PATH=...`` with ``uv_dir`` first, unless PATH already leads with it, and the
+    trust setting this run chose (``trust``): the uv that shell runs must trust what this one
+    did, or behind a TLS-inspecting proxy its first download fails."""
+    exports = [f"{k}={shlex.quote(v)}" for k, v in trust.items()]
     path = os.environ.get("PATH", "")
-    if path.split(os.pathsep)[0] == str(uv_dir):
-        return ":"
-    return f'export PATH={shlex.quote(str(uv_dir))}:"$PATH"'
+    if path.split(os.pathsep)[0] != str(uv_dir):
+        exports.append(f'PATH={shlex.quote(str(uv_dir))}:"$PATH"')
+    return f"export {' '.join(exports)}" if exports else ":"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -197,12 +200,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    before = dict(os.environ)
     say(f"TLS: {use_system_trust_store()}")  # uv and this script behind a TLS-inspecting proxy
+    trust = {k: v for k, v in os.environ.items() if k.startswith("UV_") and before.get(k) != v}
     uv_dir = ensure_uv()
     if args.tests:
         ensure_test_packages()
     if args.shell:
-        print(shell_line(uv_dir))
+        print(shell_line(uv_dir, trust))
         return 0
     if not args.command:
         return 0

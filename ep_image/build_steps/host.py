@@ -33,7 +33,7 @@ Build EP backend venvs under DIR (one per backend, from the committed uv.lock), 
 identical files across them, so all of them cost about as much disk as one."""
 EPILOG = """\
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
-Needs: uv (on PATH, or installed by python3 -m ep_image.build_steps.bootstrap), Python >= 3.11
+Needs: uv (on PATH, or installed by python3 scripts/bootstrap.py), Python >= 3.11
 to run the scripts (PYTHON=..., else python3, else uv's). Every step is
 ep_image/build_steps/make_venv.py, the command the image's ep-<backend> stages run too: HybridEP's
 NVSHMEM set-up included.
