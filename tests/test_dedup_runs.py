@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _venv_helpers import (
@@ -35,6 +37,8 @@ from _venv_helpers import (
     run_dedup,
     snapshot,
 )
+
+from ep_image.build_steps.dedup_report import Report
 
 PACKAGES = ("six==1.17.0", "packaging==26.4")
 TRACEBACK = "Traceback"
@@ -136,6 +140,61 @@ def test_a_journal_entry_through_a_symbolic_link_is_refused(venvs, tmp_path: Pat
     proc = run_dedup(a, b)
     assert stat.S_IMODE(target.stat().st_mode) == 0o440, proc.stderr
     assert "entries name no file dedup could have recorded" in proc.stderr
+
+
+def _restore(root: Path) -> Report:
+    from ep_image.build_steps import dedup_read_only
+
+    report = Report(roots=[str(root)], device=root.stat().st_dev, dry_run=False, read_only=False)
+    dedup_read_only.restore_journals([root], report, dry_run=False)
+    return report
+
+
+def test_a_journal_swapped_for_a_symbolic_link_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dedup checked the journal by path (lstat), then read it by path: swapped for a symbolic
+    link in between, it acted on the entries of a file anyone could write. Now it opens the
+    journal once without following a link, checks and reads that one file: a link in its place
+    is refused, and a swap after the open reads nothing new."""
+    root = tmp_path / "root"
+    root.mkdir()
+    inside = root / "own.so"
+    inside.write_text("x\n")
+    inside.chmod(0o444)
+    st = inside.stat()
+    planted = tmp_path / "planted.json"  # entries whoever can write it chose
+    planted.write_text(json.dumps({"modes": [["own.so", st.st_dev, st.st_ino, 0o666]]}))
+    planted.chmod(0o600)
+
+    (root / JOURNAL).symlink_to(planted)
+    report = _restore(root)
+    assert stat.S_IMODE(inside.stat().st_mode) == 0o444
+    assert any("refused, it is a symbolic link" in f for f in report.failures), report.failures
+    (root / JOURNAL).unlink()  # a refused journal is left for its owner to look at
+
+    # The journal dedup wrote (0600, this user's), swapped for a link the moment it is looked at.
+    genuine = plant_journal(root, [["own.so", st.st_dev, st.st_ino, 0o644]])
+    link = tmp_path / "link"
+    link.symlink_to(planted)
+    real_lstat, real_open = os.lstat, os.open
+
+    def swap_after(call: Callable[..., Any]) -> Callable[..., Any]:  # os.lstat or os.open
+        def wrapped(path: str | Path, *args: Any, **kwargs: Any) -> Any:
+            result = call(path, *args, **kwargs)
+            if os.fspath(path) == str(genuine) and link.is_symlink():
+                os.replace(link, genuine)
+            return result
+
+        return wrapped
+
+    monkeypatch.setattr(os, "lstat", swap_after(real_lstat))
+    monkeypatch.setattr(os, "open", swap_after(real_open))
+    report = _restore(root)
+    monkeypatch.undo()
+    assert not link.is_symlink(), "the journal was never looked at"
+    assert stat.S_IMODE(inside.stat().st_mode) == 0o644, "the planted entry was acted on"
+    assert report.modes_restored == 1 and report.failures == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving the journal to another user needs root")

@@ -9,6 +9,7 @@ killed one cleared. docs/host-mode.md, "Hardlinked venvs and installers".
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -112,12 +113,29 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
             ) from None
 
 
-def _untrusted(journal: Path) -> str | None:
-    """Why a journal may not be acted on, or None: it must be a regular file of the user
+def _read_journal(journal: Path) -> tuple[str | None, str]:
+    """Why a journal may not be acted on (or None), and its text.
+
+    It is opened once, without following a symbolic link, and checked and read through that one
+    descriptor: a journal swapped for a link between a check by path and a read by path would
+    get another file's entries read.
+    """
+    try:
+        fd = os.open(journal, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            return "it is a symbolic link", ""
+        raise
+    with open(fd, encoding="utf-8") as handle:
+        why = _untrusted(os.fstat(fd))
+        return why, "" if why else handle.read()
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why an open journal may not be acted on, or None: it must be a regular file of the user
     running dedup that nobody else can write (dedup writes it so), since giving back write
     bits as it says, run as root, would otherwise let anyone who can write a ROOT make any
     file on the system writable."""
-    st = os.lstat(journal)
     if not stat.S_ISREG(st.st_mode):
         return "it is not a regular file"
     if st.st_uid != os.geteuid():
@@ -152,7 +170,7 @@ def _entry_path(root: Path, relative: object, dev: object) -> str | None:
 def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) -> None:
     """Give back the modes a killed --read-only run cleared (its journals), then drop them.
 
-    A journal is acted on only when this user wrote it and nobody else can (``_untrusted``),
+    A journal is acted on only when this user wrote it and nobody else can (``_read_journal``),
     and a mode is given back only where its entry names a file under that ROOT (no ``..``, no
     symbolic link on the way) that is still the inode the journal names and still has the mode
     the run left (its write bits cleared, nothing else changed since).
@@ -162,7 +180,7 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
         if not dry_run:  # a run killed while writing its journal had cleared nothing yet
             (root / (MODES_JOURNAL + ".tmp")).unlink(missing_ok=True)
         try:
-            why = _untrusted(journal)
+            why, text = _read_journal(journal)
             if why is not None:
                 report.failures.append(
                     f"{journal}: refused, {why}: dedup writes its journal owner-only, so this "
@@ -170,7 +188,7 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
                     "you did not write it, or run dedup as its owner"
                 )
                 continue
-            modes = json.loads(journal.read_text(encoding="utf-8"))["modes"]
+            modes = json.loads(text)["modes"]
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError) as exc:
