@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,14 +21,25 @@ from ep_image.build_steps.uv_run import BuildError
 
 def stale_temp_dirs(prefix: Path, backend: str) -> list[Path]:
     """What an interrupted run of this backend left in the prefix: its temporary build dir, or
-    the replaced venv a kill during the final rename kept (``move_into_place``)."""
+    the replaced venv a kill between the first two renames of ``move_into_place`` kept."""
     found = [*prefix.glob(f".{backend}.tmp-*"), *prefix.glob(f".{backend}.old-*")]
     return sorted(p for p in found if p.is_dir() and not p.is_symlink())
 
 
 def remove_stale(prefix: Path, backend: str) -> None:
-    """Remove what an interrupted build of ``backend`` left (under the lock: none is live)."""
+    """Clear what an interrupted build of ``backend`` left (under the lock: none is live).
+
+    A ``.<backend>.old-*`` with no ``<prefix>/<backend>`` is the whole venv a kill between the
+    first two renames of ``move_into_place`` kept aside: it is put back, not deleted."""
+    final = prefix / backend
     for stale in stale_temp_dirs(prefix, backend):
+        if stale.name.startswith(f".{backend}.old-") and not os.path.lexists(final):
+            print(
+                f"make_venv: restoring {final} from {stale}, kept by an interrupted build",
+                flush=True,
+            )
+            os.rename(stale, final)
+            continue
         print(f"make_venv: removing {stale} left by an interrupted build", flush=True)
         shutil.rmtree(stale)
 
@@ -116,38 +128,80 @@ def assert_relocated(venv: Path, temp_name: str) -> None:
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
+#: The errors of a kernel or file system that cannot exchange two names (then nothing moved).
+CANNOT_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> None:
+    """renameat2(2), an OSError on failure (ENOSYS where the C library lacks it)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not in this C library", str(a), None, str(b))
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def exchange(a: Path, b: Path) -> bool:
     """Swap the two paths in one step (renameat2 with RENAME_EXCHANGE): no moment exists at
     which either is missing. False where the kernel or file system cannot (then nothing moved)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
+    try:
+        _renameat2(a, b, _RENAME_EXCHANGE)
+    except OSError as exc:
+        if exc.errno in CANNOT_EXCHANGE:
+            return False
+        raise
+    return True
+
+
+#: Signals that come from the CPU fault of this very process: blocking them would hide a crash.
+_SYNCHRONOUS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold back every catchable signal (Ctrl-C, SIGTERM, SIGHUP, ...) for a few system calls:
+    one sent meanwhile is delivered, and its handler runs, once they are done."""
+    held = signal.valid_signals() - _SYNCHRONOUS
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def move_into_place(temp: Path, final: Path) -> None:
     """Put the finished venv at its final name, replacing an older one only now and in one
     step: the two are exchanged, so ``final`` is always a whole venv (the old one, then the new
-    one), and ``temp`` then holds the old venv, which is removed. Where the file system cannot
-    exchange, the old venv is renamed aside first (a kill between the two renames leaves it as
-    ``.<name>.old-*``, which the next build removes)."""
+    one), and ``temp`` then holds the old venv, which is removed (if that is interrupted, the
+    caller removes ``temp``: the new venv stays in place).
+
+    Where the file system cannot exchange, the old venv is renamed aside to ``.<name>.old-*``,
+    the new one into place and the old one to ``temp``, with every catchable signal held back
+    and the old venv put back if a step fails. Only SIGKILL between the first two renames can
+    leave no ``final``; the next build then restores the ``.old-*`` (``remove_stale``)."""
     if not final.exists():
         os.rename(temp, final)
         return
-    if exchange(temp, final):
-        shutil.rmtree(temp)
-        return
+    if not exchange(temp, final):
+        _rename_around(temp, final)
+    shutil.rmtree(temp)
+
+
+def _rename_around(temp: Path, final: Path) -> None:
+    """The three renames of ``move_into_place`` without an exchange; afterwards ``final`` is
+    the new venv and ``temp`` the old one, or, on an error, ``final`` is the old venv again."""
     old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
     old.rmdir()
-    os.rename(final, old)
-    os.rename(temp, final)
-    shutil.rmtree(old)
+    with signals_held():
+        try:
+            os.rename(final, old)
+            os.rename(temp, final)
+            os.rename(old, temp)
+        except BaseException:
+            # Whatever step failed (or a handler of a signal that came just before the hold
+            # raised), the old venv goes back where no venv is, else where the caller removes.
+            if os.path.lexists(old):
+                os.rename(old, temp if os.path.lexists(final) else final)
+            raise

@@ -27,6 +27,7 @@ from ep_image.build_steps.atomic_venv import (
     new_temp_dir,
     prepare_prefix,
     remove_stale,
+    stale_temp_dirs,
 )
 from ep_image.build_steps.backend_sync import Wheels, sync_backend
 from ep_image.build_steps.bytecode import (
@@ -496,11 +497,20 @@ def run(opts: Options) -> int:
         print(f"{PROG}: fix: {fix}", file=sys.stderr)
         return EXIT_BUILD_FAILED
     except KeyboardInterrupt:
-        print(
-            f"{PROG}: no half-built venv is left under {opts.prefix} (a venv being completed "
-            f"in place keeps its {SKELETON_RECORD}: run --complete again)",
-            file=sys.stderr,
-        )
+        # Said from what is there: a second signal can stop the cleanup itself.
+        left = [p.name for name in opts.backends for p in stale_temp_dirs(opts.prefix, name)]
+        if left:
+            print(
+                f"{PROG}: interrupted while cleaning up: {', '.join(left)} is still under "
+                f"{opts.prefix}; the next make_venv of the same backend removes it",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"{PROG}: no half-built venv is left under {opts.prefix} (a venv being "
+                f"completed in place keeps its {SKELETON_RECORD}: run --complete again)",
+                file=sys.stderr,
+            )
         raise
     if failed:
         print(
