@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import NamedTuple
+
+#: How many entries of a cache ``untrusted_inside`` looks at before it stops (and says so): a
+#: check that runs before every job must not walk a huge shared tree for minutes.
+INSIDE_LIMIT = 10_000
 
 
 def untrusted(path: Path, *, follow: bool = False) -> str | None:
@@ -42,3 +47,53 @@ def untrusted_cache(root: Path) -> str | None:
         if why is not None and not (st.st_mode & stat.S_ISVTX and "others can write" in why):
             return why
     return None
+
+
+class Inside(NamedTuple):
+    """What ``untrusted_inside`` found: why the first offending entry is not safe (or None), how
+    many entries it looked at, and whether that was all of them."""
+
+    why: str | None
+    entries: int
+    complete: bool
+
+
+def untrusted_inside(root: Path, limit: int = INSIDE_LIMIT) -> Inside:
+    """The first directory or file inside the directory ``root`` (each directory in name order,
+    depth first, no symbolic link followed into) that another user could have written or that
+    belongs to neither this user nor root; a symbolic link counts by its owner and by what it
+    points to. The walk stops after ``limit`` entries (``complete`` False). A directory this
+    user cannot list is skipped: nothing in it is loaded by this user's process either."""
+    seen = 0
+    pending = [root]
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError:
+            continue
+        below = []
+        for entry in entries:
+            if seen >= limit:
+                return Inside(None, seen, complete=False)
+            seen += 1
+            path = Path(entry.path)
+            try:
+                why = _untrusted_entry(path)
+            except OSError:
+                continue  # removed meanwhile
+            if why is not None:
+                return Inside(why, seen, complete=True)
+            if entry.is_dir(follow_symlinks=False):
+                below.append(path)
+        pending += reversed(below)  # the first subdirectory is walked next
+    return Inside(None, seen, complete=True)
+
+
+def _untrusted_entry(path: Path) -> str | None:
+    st = os.lstat(path)
+    if not stat.S_ISLNK(st.st_mode):
+        return untrusted(path)
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to uid {st.st_uid}, neither this user nor root"
+    return untrusted(path, follow=True) if path.exists() else None

@@ -12,6 +12,7 @@ decision they are.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -402,6 +403,104 @@ def test_a_jit_cache_others_can_write_is_refused_before_any_kernel_runs(
         check_ep(*backend("LoadsKernelsFromAnOpenCache"), *SMALL, *QUICK, env=env).proc.returncode
         == 0
     )
+
+
+def test_a_jit_cache_with_a_kernel_others_can_write_is_refused(check_ep, tmp_path) -> None:
+    """Only the cache directory (or its nearest existing parent) was checked: a kernel file
+    inside it that anyone can rewrite passed. The walk names it; once fixed, the run passes."""
+    cache = tmp_path / "cache" / "deep_ep"
+    kernel = cache / "kernels" / "k0" / "kernel.cubin"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"\x7fELF planted")
+    kernel.chmod(0o666)
+    env = clean_env(EP_TEST_JIT_CACHE=str(cache))
+    run = check_ep(*backend("LoadsKernelsFromAnOpenCache"), *SMALL, *QUICK, env=env)
+    assert run.proc.returncode == 3, run.output
+    prereq = run.step("prerequisites")
+    assert f"others can write {kernel} (mode 0666)" in prereq["detail"], prereq
+    assert "chmod go-w" in prereq["hint"] and "EP_JIT_CACHE_DIR" in prereq["hint"], prereq
+    assert run.statuses()["buffer"] == "not run"
+    kernel.chmod(0o644)
+    passing = check_ep(*backend("LoadsKernelsFromAnOpenCache"), *SMALL, *QUICK, env=env)
+    assert passing.proc.returncode == 0, passing.output
+    assert passing.step("prerequisites")["data"]["jit_cache_entries_checked"] == 3
+
+
+def deepep_v2_cache_check(cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch):
+    """The prerequisites' cache check on DeepEP v2's own adapter, whose jit_cache_dir reads
+    EP_JIT_CACHE_DIR, else ~/.deep_ep (deep_ep itself is not imported)."""
+    from ep_image.probes.check_ep import gates
+    from ep_image.probes.check_ep.adapters.elastic_buffer import DeepEPv2Backend
+
+    monkeypatch.delenv("EP_JIT_CACHE_DIR", raising=False)
+    for name, value in cache_env.items():
+        monkeypatch.setenv(name, value)
+    data: dict = {}
+    notes: list[str] = []
+    problems: list = []
+    gates._check_jit_cache(DeepEPv2Backend(), data, notes, problems)
+    return data, notes, problems
+
+
+@pytest.mark.parametrize(
+    "how", ["a kernel others can write", "a directory others can write", "another user's kernel"]
+)
+@pytest.mark.parametrize("where", ["EP_JIT_CACHE_DIR", "~/.deep_ep"])
+def test_deepep_v2s_cache_is_checked_inside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, where: str
+) -> None:
+    if how == "another user's kernel" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    home = tmp_path / "home"
+    cache = tmp_path / "jit" / "deep_ep" if where == "EP_JIT_CACHE_DIR" else home / ".deep_ep"
+    env = {"HOME": str(home)} | ({"EP_JIT_CACHE_DIR": str(cache)} if "EP" in where else {})
+    kernels = cache / "cache" / "kernel.a1b2"
+    kernels.mkdir(parents=True)
+    for name in ("kernel.cu", "kernel.cubin"):
+        (kernels / name).write_text("compiled\n")
+    data, _notes, problems = deepep_v2_cache_check(env, monkeypatch)
+    assert problems == [] and data["jit_cache_trusted"] is True
+    assert data["jit_cache_entries_checked"] == 4
+
+    planted = kernels / "kernel.cubin"
+    if how == "a kernel others can write":
+        planted.chmod(0o646)
+        said = f"others can write {planted} (mode 0646)"
+    elif how == "a directory others can write":
+        planted = kernels
+        planted.chmod(0o777)
+        said = f"others can write {planted} (mode 0777)"
+    else:
+        os.chown(planted, 65534, 65534)
+        said = f"{planted} belongs to uid 65534, neither this user nor root"
+    data, _notes, problems = deepep_v2_cache_check(env, monkeypatch)
+    [(status, detail, hint)] = problems
+    assert status.name == "ERROR" and data["jit_cache_trusted"] is False
+    assert f"loads its JIT kernels from {cache}, and {said}" in detail, detail
+    assert "EP_JIT_CACHE_DIR" in hint and "chmod go-w" in hint
+
+
+def test_a_cache_too_big_to_walk_is_checked_in_part_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check that runs before every job does not walk a huge shared cache for minutes: it
+    stops after its limit of entries and says how many it looked at."""
+    from ep_image import trust
+
+    cache = tmp_path / "deep_ep"
+    cache.mkdir()
+    for n in range(trust.INSIDE_LIMIT):
+        (cache / f"k{n:05d}").touch()
+    (cache / "zz-planted").touch(mode=0o666)
+    (cache / "zz-planted").chmod(0o666)  # past the limit, in name order
+    data, notes, problems = deepep_v2_cache_check({"EP_JIT_CACHE_DIR": str(cache)}, monkeypatch)
+    assert problems == [] and data["jit_cache_entries_checked"] == trust.INSIDE_LIMIT
+    assert [f"JIT cache {cache}: only its first {trust.INSIDE_LIMIT} entries checked"] == [
+        n.split(" for ")[0] for n in notes
+    ]
+    (cache / "k00000").unlink()  # now the walk reaches it
+    _data, _notes, problems = deepep_v2_cache_check({"EP_JIT_CACHE_DIR": str(cache)}, monkeypatch)
+    assert "others can write" in problems[0][1] and "zz-planted" in problems[0][1]
 
 
 def _cuda_home_with_nvcc(root: Path) -> Path:

@@ -127,7 +127,7 @@ def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
             problems.append((Status.SKIP, f"{backend.name} cannot run on {where}", why_not))
         if backend.jit_compiles:
             _check_cuda_home(backend, data, notes, problems)
-        _check_jit_cache(backend, data, problems)
+        _check_jit_cache(backend, data, notes, problems)
         _check_nccl(rt, backend, data, notes, problems)
         _report_nvshmem(backend, data, notes)
         _report_cxx_runtime(backend, data, notes)
@@ -175,13 +175,25 @@ def _check_gpus(
     notes.append(text)
 
 
-def _check_jit_cache(backend: EPBackend, data: dict[str, Any], problems: Problems) -> None:
-    """A JIT cache the backend loads kernels from must be nobody else's to write: otherwise
-    whoever can write it runs code in this job (and in every job that uses it)."""
+def _check_jit_cache(
+    backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
+) -> None:
+    """A JIT cache the backend loads kernels from must be nobody else's to write, inside as well
+    as itself: otherwise whoever can write it, or a kernel in it, runs code in this job (and in
+    every job that uses it)."""
     where = backend.jit_cache_dir()
     if where is None:
         return
     why = trust.untrusted_cache(where)
+    if why is None and where.is_dir():
+        inside = trust.untrusted_inside(where)
+        why = inside.why
+        data["jit_cache_entries_checked"] = inside.entries
+        if not inside.complete:
+            notes.append(
+                f"JIT cache {where}: only its first {inside.entries} entries checked for "
+                "owners and write bits (a bigger cache is not walked whole)"
+            )
     data["jit_cache_trusted"] = why is None
     if why is not None:
         problems.append(
@@ -189,8 +201,9 @@ def _check_jit_cache(backend: EPBackend, data: dict[str, Any], problems: Problem
                 Status.ERROR,
                 f"{backend.name} loads its JIT kernels from {where}, and {why}: kernels planted "
                 "there would run in this job",
-                "chown it to this user (or root) and chmod go-w it, or point EP_JIT_CACHE_DIR "
-                "at a directory only you (or root) can write",
+                "chown the path named to this user (or root) and chmod go-w it, or remove it "
+                "(its kernels are compiled again), or point EP_JIT_CACHE_DIR at a directory "
+                "only you (or root) can write",
             )
         )
 
