@@ -8,10 +8,12 @@ whose copy of one wheel's file was cut short.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from _venv_helpers import make_uv_venv, site_packages
+from _venv_helpers import build_wheel, install, make_uv_venv, site_packages
 from test_make_venv import leftovers, make_venv
 from test_prebuilt_wheels import build, env_for, source  # noqa: F401  (source: a fixture)
 
@@ -54,6 +56,32 @@ def test_check_installed_names_an_edited_distribution(venv: Path) -> None:
         "make_venv"
     ]
     assert any("METADATA differs from its RECORD hash" in str(p) for p in dist_records.verify(site))
+
+
+def test_the_check_installed_command_exits_1_on_an_edited_torch(venv: Path, tmp_path: Path) -> None:
+    """The command as a user runs it, on a venv whose torch METADATA was edited to 2.13.0
+    against a record of 2.14.1 (exit 0 and no mention before the RECORD check): exit 1, both
+    the edit and the version named, and the last line the fix."""
+    wheel = build_wheel(
+        tmp_path / "wheels", "torch", "2.14.1", {"torch/__init__.py": "__version__ = '2.14.1'\n"}
+    )
+    install(venv, str(wheel))
+    metadata = next(site_packages(venv).glob("torch-*.dist-info")) / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 2.14.1", "Version: 2.13.0"))
+    (venv / "ep-backend.json").write_text(
+        json.dumps({"installed": [{"name": "torch", "version": "2.14.1"}]})
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_image.build_steps.check_installed", "--venv", str(venv),
+         "--backend", "deepep_v2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout
+    assert "torch-2.14.1.dist-info/METADATA differs from its RECORD hash" in proc.stdout
+    assert "torch 2.13.0 is installed, but ep-backend.json records 2.14.1" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("check_installed: fix: rebuild the venv from the lock"), last
+    assert "scripts/make_venv.py --backend deepep_v2" in last and "Traceback" not in proc.stdout
 
 
 def test_make_venv_refuses_a_venv_built_from_a_damaged_cache(

@@ -242,7 +242,17 @@ def run(args: argparse.Namespace) -> int:
     print_report(report)
     if args.json:
         project.write_json(args.json, asdict(report), sort_keys=False)
-    return EXIT_PROBLEM if report.problems else EXIT_OK
+    if not report.problems:
+        return EXIT_OK
+    # The report above says what is wrong; the last line, like every refusal's, says what to do.
+    sys.stdout.flush()
+    print(
+        f"{PROG}: fix: rebuild the venv from the lock (python3 scripts/make_venv.py --backend "
+        f"{args.backend} --prefix DIR builds DIR/{args.backend}); each PROBLEM above names its "
+        "cause",
+        file=sys.stderr,
+    )
+    return EXIT_PROBLEM
 
 
 def main(argv: Sequence[str] | None = None) -> int:
