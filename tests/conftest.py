@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ from ep_image import child_env
 
 # After a failed run: prune the kept temporary directory and say where it is.
 pytest_plugins = ["_tmp_retention"]
+
+# A run started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and so
+# would every make_venv a test starts: the tests of Ctrl-C need it as a terminal delivers it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Child Pythons (probes, ranks, make_venv) import this checkout's ep_image and the fixtures, as

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -162,16 +163,28 @@ def cannot_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(atomic_venv, "_renameat2", refuse)
 
 
+@pytest.mark.parametrize("other_thread", [False, True], ids=["one-thread", "other-thread"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_without_an_exchange_a_signal_between_the_renames_waits_for_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, signum: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    signum: int,
+    other_thread: bool,
 ) -> None:
     """A signal between the renaming aside of the old venv and the renaming in of the new one
     left no venv at all (and make_venv then deleted the new one): now it is held back until
-    the new venv is in place and the old one under the temporary name its caller removes."""
+    the new venv is in place and the old one under the temporary name its caller removes.
+    With another thread running (a server, a heartbeat), a held-back signal mask was not
+    enough: the kernel gave the signal to that thread, and its handler ran in the main thread
+    between the renames all the same."""
     from ep_image import cli
     from ep_image.build_steps import atomic_venv
 
+    if other_thread:
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+        request.addfinalizer(stop.set)
     final, temp = two_venvs(tmp_path)
     cannot_exchange(monkeypatch)
     real_rename = os.rename
@@ -180,11 +193,17 @@ def test_without_an_exchange_a_signal_between_the_renames_waits_for_them(
         real_rename(src, dst)
         if Path(dst).name.startswith(".venv.old-"):
             os.kill(os.getpid(), signum)  # delivered before kill() returns, unless held back
+            time.sleep(0.2)  # or to another thread: time for it to take it, were it not held
 
     monkeypatch.setattr(os, "rename", rename)
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # handled as make_venv's cli.run sets them
+    handlers = {
+        signal.SIGINT: signal.default_int_handler,  # as a terminal's Ctrl-C finds it
+        signal.SIGTERM: cli._raise_terminated,
+        signal.SIGHUP: cli._raise_terminated,
+    }
+    for sig, handler in handlers.items():  # as make_venv's cli.run sets them
         request.addfinalizer(functools.partial(signal.signal, sig, signal.getsignal(sig)))
-        signal.signal(sig, cli._raise_terminated)
+        signal.signal(sig, handler)
     with pytest.raises(KeyboardInterrupt):
         atomic_venv.move_into_place(temp, final)
     assert (final / "ep-backend.json").read_text() == "new"

@@ -13,8 +13,10 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ep_image.build_steps.uv_run import BuildError
 
@@ -154,21 +156,44 @@ def exchange(a: Path, b: Path) -> bool:
     return True
 
 
-#: Signals that come from the CPU fault of this very process: blocking them would hide a crash.
+#: Signals that come from the CPU fault of this very process: holding them would hide a crash.
 _SYNCHRONOUS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+#: Signals whose default is to do nothing: nothing to hold back.
+_HARMLESS = {signal.SIGCHLD, signal.SIGCONT, signal.SIGURG, signal.SIGWINCH}
 
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
     """Hold back every catchable signal (Ctrl-C, SIGTERM, SIGHUP, ...) for a few system calls:
-    one sent meanwhile is delivered, and its handler runs, once they are done."""
-    held = signal.valid_signals() - _SYNCHRONOUS
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    one sent meanwhile is delivered, and its handler runs, once they are done.
+
+    In the main thread the handlers themselves are swapped for one that only notes the signal:
+    a signal mask is per thread, and a process-directed signal goes to any thread that does
+    not block it, whose handler then runs in the main thread all the same. Elsewhere (no
+    handler can be set there) this thread's mask is all there is."""
+    if threading.current_thread() is not threading.main_thread():
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _SYNCHRONOUS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        return
+    pending: list[int] = []
+    saved: dict[int, Any] = {}
+    held = signal.valid_signals() - _SYNCHRONOUS - _HARMLESS - {signal.SIGKILL, signal.SIGSTOP}
+    for signum in sorted(held):
+        current = signal.getsignal(signum)
+        if current is None or current == signal.SIG_IGN:
+            continue  # a handler set outside Python cannot be put back; an ignored one stays
+        with contextlib.suppress(OSError, ValueError):
+            saved[signum] = signal.signal(signum, lambda n, _f: pending.append(n))
     try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, held)
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)  # now its own handler runs (or its default action)
 
 
 def move_into_place(temp: Path, final: Path) -> None:
