@@ -693,3 +693,17 @@ def test_the_cache_loads_only_the_standard_library():
     assert "ep_image" in loaded
     outside = loaded - set(sys.stdlib_module_names) - {"ep_image"}
     assert not outside, outside
+
+
+def test_the_buffer_step_says_off_not_none_when_the_cache_is_off(tmp_path: Path):
+    """A run with EP_HYBRIDEP_JIT_CACHE=off read "JIT cache None off, 0 kernel(s) before"."""
+    from ep_image.probes.check_ep.gates import jit_cache_note
+
+    env = {"EP_HYBRIDEP_JIT_CACHE": "off", "HYBRID_EP_CACHE_DIR": str(tmp_path)}
+    off = jit.prepare(env, at_exit=False)
+    note = jit_cache_note(off.facts())
+    assert note.startswith("; JIT cache off (disabled (EP_HYBRIDEP_JIT_CACHE='off'))"), note
+    assert "None" not in note
+    on = {"jit_cache_state": "on", "jit_cache_dir": "/c", "jit_cache_files_before": 8}
+    assert jit_cache_note(on) == "; JIT cache /c on, 8 kernel(s) before"
+    assert jit_cache_note({}) == ""

@@ -398,9 +398,17 @@ def step_buffer(rt: Runtime, backend: EPBackend, shape: Shape) -> Step:
                 step.data[attr] = getattr(backend, attr)
         facts = backend.facts()
         step.data.update(facts)
-        if "jit_cache_state" in facts:
-            step.detail += (
-                f"; JIT cache {facts.get('jit_cache_dir')} {facts['jit_cache_state']}, "
-                f"{facts.get('jit_cache_files_before', 0)} kernel(s) before"
-            )
+        step.detail += jit_cache_note(facts)
     return agree(rt, step)
+
+
+def jit_cache_note(facts: dict[str, Any]) -> str:
+    """The buffer step's words on a backend's own kernel cache (HybridEP's), if it has one."""
+    if "jit_cache_state" not in facts:
+        return ""
+    if facts["jit_cache_state"] == "off":
+        return f"; JIT cache off ({facts.get('jit_cache_reason') or 'not set'})"
+    return (
+        f"; JIT cache {facts.get('jit_cache_dir')} {facts['jit_cache_state']}, "
+        f"{facts.get('jit_cache_files_before', 0)} kernel(s) before"
+    )
