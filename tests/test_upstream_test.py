@@ -70,3 +70,16 @@ def test_an_unwritable_report_path_is_bad_usage(tmp_path: Path) -> None:
     assert_unwritable_report_is_bad_usage(
         tmp_path, "upstream_test", "--backend", "deepep_v1", "--tests", str(tests)
     )
+
+
+def test_cases_completed_is_never_below_cases_passed() -> None:
+    """DeepEP v1's test prints "passed" per case and announces none: its reports read
+    cases_passed 24 beside cases_completed 0. DeepEP v2's announces each case and prints no
+    "passed"; a cut-off last case is not completed."""
+    from ep_image.probes.upstream_test import cases_completed, cases_passed
+
+    v1 = "[testing] Running with BF16, with top-k ... passed\n" * 24
+    assert (cases_passed(v1, True), cases_completed(v1, True)) == (24, 24)
+    v2 = "> Testing with num_tokens=128\n" * 144
+    assert (cases_passed(v2, True), cases_completed(v2, True)) == (144, 144)
+    assert (cases_passed(v2, False), cases_completed(v2, False)) == (143, 143)
