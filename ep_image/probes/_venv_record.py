@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ep_image import SOURCE_ROOT
+from ep_image.probes import _facts
 
 #: The venv record make_venv.py writes (ep_image/project.py VENV_RECORD), and a skeleton's.
 RECORDS = ("ep-backend.json", "ep-skeleton.json")
@@ -80,15 +81,9 @@ def venv_record(prefix: str | None = None) -> dict[str, Any]:
 def _mapped_objects() -> list[str]:
     """Every file the process has mapped (``/proc/self/maps``), once each."""
     try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
+        return sorted(_facts.parse_maps(Path("/proc/self/maps").read_text()))
     except OSError:
         return []
-    paths = []
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            paths.append(parts[5].removesuffix(" (deleted)"))
-    return sorted(set(paths))
 
 
 def _under(path: str, roots: list[str]) -> bool:
