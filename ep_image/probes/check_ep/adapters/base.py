@@ -20,6 +20,11 @@ The contract every adapter follows (DeepEP's "normal" non-expanded layout):
 - ``dispatch_backward`` / ``combine_backward`` are the gradients of the two: the gradient of a
   copy-to-ranks is a sum-over-ranks (a combine), and the gradient of a sum-over-ranks is a
   copy-to-ranks along the same layout (a dispatch that reuses the handle).
+- ``dispatch_backward_with_weights`` is dispatch's gradient with respect to both things it
+  sent: the rows, and the top-k weights (the router's probabilities), whose received slots'
+  gradients are summed back per token and slot. Training frameworks carry the router's
+  gradient back through the backend's combine this way (DeepEP's ``combine(topk_weights=)``,
+  HybridEP's ``combine(probs=)``); ``check_train`` drives it.
 
 Other adapters (tests, new backends) subclass :class:`EPBackend` and are loaded by
 ``check-ep --backend-class FILE.py:Class`` (``plugins``). This module imports no torch: the
@@ -112,6 +117,18 @@ class EPBackend(abc.ABC):
     def combine_backward(self, grad_out: torch.Tensor, handle: Any) -> torch.Tensor:
         """Gradient of combine: each token's output gradient copied to every row it came from."""
         return self.dispatch_cached(grad_out, handle)
+
+    def dispatch_backward_with_weights(
+        self, grad_recv_x: torch.Tensor, grad_recv_topk_weights: torch.Tensor, handle: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient of dispatch w.r.t. the rows and the top-k weights it sent: the received
+        rows' gradients summed back per token (``[tokens, hidden]``, as ``dispatch_backward``)
+        and the received weights' gradients summed back per token and slot (``[tokens, topk]``
+        float32; a slot whose expert is not on a rank gets nothing from that rank)."""
+        raise NotImplementedError(
+            f"{self.name}'s adapter does not carry the top-k weights' gradient back "
+            "(dispatch_backward_with_weights)"
+        )
 
     def destroy(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release the buffer (explicitly, so no destructor runs during interpreter exit)."""

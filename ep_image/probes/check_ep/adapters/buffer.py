@@ -104,6 +104,15 @@ class DeepEPv1Backend(EPBackend):
         recv_x, *_ = self.buffer.dispatch(x, handle=handle)
         return recv_x
 
+    def dispatch_backward_with_weights(
+        self, grad_recv_x: torch.Tensor, grad_recv_topk_weights: torch.Tensor, handle: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One combine carries both, as Megatron's DeepEP dispatcher does in its backward.
+        grad_x, grad_w, _ = self.buffer.combine(
+            grad_recv_x, handle, topk_weights=grad_recv_topk_weights.float()
+        )
+        return grad_x, grad_w
+
     def destroy(self) -> None:
         buffer = getattr(self, "buffer", None)
         if buffer is not None:

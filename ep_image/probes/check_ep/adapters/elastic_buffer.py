@@ -120,6 +120,16 @@ class DeepEPv2Backend(EPBackend):
         combined, _, _ = self.buffer.combine(pad_rows(y, handle.padded_rows), handle.raw)
         return combined
 
+    def dispatch_backward_with_weights(
+        self, grad_recv_x: torch.Tensor, grad_recv_topk_weights: torch.Tensor, handle: RowsHandle
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_x, grad_w, _ = self.buffer.combine(
+            pad_rows(grad_recv_x, handle.padded_rows),
+            handle.raw,
+            topk_weights=pad_rows(grad_recv_topk_weights.float(), handle.padded_rows),
+        )
+        return grad_x, grad_w
+
     def dispatch_cached(self, x: torch.Tensor, handle: RowsHandle) -> torch.Tensor:
         # num_experts is passed although the handle holds it: dispatch sizes its SM count
         # from it before it reads the handle.

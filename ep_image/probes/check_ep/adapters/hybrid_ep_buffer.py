@@ -8,6 +8,7 @@ keeps HybridEP's JIT kernels across processes (the backend's ``jit_cache`` modul
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, ClassVar
 
@@ -23,6 +24,17 @@ from ep_image.probes.check_ep.adapters.deep_ep_common import (
     pad_rows,
 )
 from ep_image.probes.check_ep.types import UNEVEN_TOKENS, Dispatched, Shape
+
+
+@dataclasses.dataclass
+class HybridHandle(RowsHandle):
+    """HybridEP's handle, with what the weights' gradient needs: the routing sent, the local
+    indices received and the width of the probs dispatch returned (the NVLink domain's
+    experts)."""
+
+    topk_idx: Any = None  # [tokens, topk] as sent
+    recv_topk_idx: Any = None  # [rows, topk] local indices, -1 elsewhere
+    probs_width: int = 0
 
 
 class HybridEPBackend(EPBackend):
@@ -106,7 +118,14 @@ class HybridEPBackend(EPBackend):
             recv_topk_idx=recv_idx,
             recv_topk_weights=recv_w,
             num_recv_per_expert=[int(c) for c in counts],
-            handle=RowsHandle(handle, rows, recv_x.shape[0]),
+            handle=HybridHandle(
+                handle,
+                rows,
+                recv_x.shape[0],
+                topk_idx=topk_idx.to(torch.int64),
+                recv_topk_idx=recv_idx,
+                probs_width=int(recv_probs.shape[1]),
+            ),
         )
 
     def combine(self, y: torch.Tensor, handle: RowsHandle) -> torch.Tensor:
@@ -117,6 +136,31 @@ class HybridEPBackend(EPBackend):
             self.jit.publish()
             self._published = True
         return combined
+
+    def dispatch_backward_with_weights(
+        self, grad_recv_x: torch.Tensor, grad_recv_topk_weights: torch.Tensor, handle: HybridHandle
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # HybridEP combines probs in the layout dispatch returned them ([rows, experts of the
+        # NVLink domain], this rank's slice filled) and gives them back per token and global
+        # expert (its tests/test_hybrid_ep.py at e0a5b1d9); the slots are read back from there.
+        rows, local = handle.rows, self.local
+        recv_idx = handle.recv_topk_idx
+        probs = torch.zeros(
+            (handle.padded_rows, handle.probs_width),
+            dtype=torch.float32,
+            device=grad_recv_x.device,
+        )
+        start = self.buffer.local_rank * local
+        valid = recv_idx >= 0
+        cols = torch.where(valid, recv_idx + start, torch.zeros_like(recv_idx))
+        grads = torch.where(valid, grad_recv_topk_weights.float(), torch.zeros_like(cols).float())
+        probs[:rows].scatter_add_(1, cols, grads)
+        combined, combined_probs = self.buffer.combine(
+            hidden=pad_rows(grad_recv_x, handle.padded_rows), probs=probs, handle=handle.raw
+        )
+        topk_idx = handle.topk_idx
+        grad_w = combined_probs.float().gather(1, topk_idx.clamp(min=0))
+        return combined, torch.where(topk_idx >= 0, grad_w, torch.zeros_like(grad_w))
 
     def dispatch_cached(self, x: torch.Tensor, handle: RowsHandle) -> torch.Tensor:
         recv_x, _, _, _ = self.buffer.dispatch(

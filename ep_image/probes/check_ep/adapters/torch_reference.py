@@ -91,3 +91,18 @@ class TorchBackend(EPBackend):
 
     def dispatch_cached(self, x: torch.Tensor, handle: TorchHandle) -> torch.Tensor:
         return self._gather_padded(x, handle.max_tokens)[handle.rows]
+
+    def dispatch_backward_with_weights(
+        self, grad_recv_x: torch.Tensor, grad_recv_topk_weights: torch.Tensor, handle: TorchHandle
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        grad_x = self.dispatch_backward(grad_recv_x, handle)
+        slots = grad_recv_topk_weights.shape[1]
+        full = torch.zeros(
+            (self.world * handle.max_tokens, slots),
+            dtype=torch.float32,
+            device=grad_recv_topk_weights.device,
+        )
+        full.index_add_(0, handle.rows, grad_recv_topk_weights.float())
+        dist.all_reduce(full, group=self.group)
+        start = self.rank * handle.max_tokens
+        return grad_x, full[start : start + handle.tokens]
