@@ -23,7 +23,7 @@ from ep_image.probes._report import (
 )
 from ep_image.probes._supervise import Outcome
 from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
-from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, Selection, not_run
+from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, not_run
 
 
 def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str]:
@@ -50,7 +50,8 @@ def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str
 
 
 def finish(
-    options: Options,
+    kind: ProbeKind,
+    options: RunOptions,
     env: RankEnv,
     sel: Selection,
     steps: list[Step],
@@ -71,7 +72,7 @@ def finish(
     # interpreter and imports; rank 0 is the one that writes the report).
     extra.setdefault("environment", _venv_record.environment_facts())
     report = build_report(
-        PROG,
+        kind.prog,
         steps,
         code,
         backend=sel.name,
@@ -80,11 +81,11 @@ def finish(
         nodes=env.nodes,
         require=bool(options.require),
         versions=versions,
-        numbers=numbers(steps),
+        numbers=kind.numbers(steps),
         **meta,
         **extra,
     )
-    print(render_table(PROG, header_lines(sel, env, meta), steps, code), flush=True)
+    print(render_table(kind.prog, kind.header(sel, env, meta), steps, code), flush=True)
     if options.json:
         write_report(options.json, report)
     return code
@@ -204,7 +205,8 @@ def primary_failure(
 
 
 def report_unfinished(
-    options: Options,
+    kind: ProbeKind,
+    options: RunOptions,
     env: RankEnv,
     sel: Selection,
     own: Outcome,
@@ -217,11 +219,12 @@ def report_unfinished(
     hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
     if failure["how"] == "hang" and len(hung) > 1:
         detail += f" (ranks {hung} all hung there)"
-    current = failure.get("step") or STEP_NAMES[0]
+    names = kind.step_names
+    current = failure.get("step") or names[0]
     done = [Step.from_json(obj) for obj in own.progress.get("steps", [])]
-    index = STEP_NAMES.index(current) if current in STEP_NAMES else len(done)
+    index = names.index(current) if current in names else len(done)
     hint = _HINTS[failure["how"]]
-    if failure["how"] == "error" and current == STEP_NAMES[0]:
+    if failure["how"] == "error" and current == names[0]:
         hint = _HINTS["import_error"]
     raised = failure.get("raised") or {}
     step = Step(
@@ -248,10 +251,10 @@ def report_unfinished(
             "crash in iostream code (HybridEP did, in its buffer constructor). Rebuild it with "
             "the system compiler: CC=/usr/bin/gcc CXX=/usr/bin/g++"
         )
-    steps = [*done[:index], step, *(not_run(n, step) for n in STEP_NAMES[index + 1 :])]
+    steps = [*done[:index], step, *(not_run(n, step) for n in names[index + 1 :])]
     if own.fault_log:
         print(own.fault_log.rstrip(), file=sys.stderr)
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
     ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    return finish(options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)
+    return finish(kind, options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)

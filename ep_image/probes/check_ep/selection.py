@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from ep_image.probes import _backend_detect
 from ep_image.probes._report import Status, Step
-from ep_image.probes.check_ep.types import Options, Selection
+from ep_image.probes.check_ep.types import RunOptions, Selection
 
 
-def select_backend(options: Options) -> Selection:
+def select_backend(options: RunOptions) -> Selection:
     """Resolve --backend against what is installed; a requested-but-absent one is MISSING."""
     if options.backend_class:
         return Selection("custom", f"--backend-class {options.backend_class}", None, custom=True)
