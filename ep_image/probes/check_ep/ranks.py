@@ -348,6 +348,8 @@ def agree(
     gathered = all_gather_json(step.to_json(), rt.ctrl_group, rt.env.world)
     per_rank = [Step.from_json(obj) for obj in gathered]
     status = worst(s.status for s in per_rank)
+    if all(s.status == per_rank[0].status for s in per_rank):
+        status = per_rank[0].status  # every rank alike: "info" or "not run" stays what it is
     merged = Step(step.name, status, seconds=max(s.seconds for s in per_rank))
     if status in (Status.PASS, Status.INFO):
         merged.detail, merged.hint, merged.data = per_rank[0].detail, "", dict(per_rank[0].data)

@@ -141,9 +141,9 @@ def parse_options(argv: Sequence[str] | None) -> TrainOptions:
 
 def run(options: TrainOptions, argv: list[str]) -> int:
     if options.all_backends:
-        from ep_image.probes.check_train import all_backends
+        from ep_image.probes.check_train.all_backends import run as run_all
 
-        return all_backends.run(options, argv)
+        return run_all(options, argv)
     return supervisor.run(CHECK_TRAIN, options, argv)
 
 

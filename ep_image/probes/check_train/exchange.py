@@ -15,6 +15,7 @@ rows in the same order is wrong, and the check says which it is instead of a raw
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ def _row_bits(recv_x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch
     """Each row's bits as int64 columns: the payload, its routing and its weights."""
     parts = []
     for t in (recv_x, idx, w):
-        flat = t.detach().reshape(t.shape[0], -1).contiguous()
+        columns = math.prod(t.shape[1:])  # reshape(rows, -1) fails on 0 rows
+        flat = t.detach().reshape(t.shape[0], columns).contiguous()
         view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
         parts.append(flat.view(view).to(torch.int64))
     return torch.cat(parts, dim=1)
@@ -227,24 +229,37 @@ class _Combine(torch.autograd.Function):
 
 
 class _AllGather(torch.autograd.Function):
-    """Every rank's equal-sized ``x`` in rank order; backward: the gradient summed over ranks
-    (an all-reduce, which gloo has where it lacks a reduce-scatter), this rank's part kept."""
+    """Every rank's equal-sized tensors in rank order, several at once; backward: each gradient
+    summed over ranks (an all-reduce, which gloo has where it lacks a reduce-scatter), this
+    rank's part kept. One node for all of them, so their collectives run in one order on every
+    rank, whatever order autograd would give separate nodes."""
 
     @staticmethod
-    def forward(ctx, x, group):  # type: ignore[override]
+    def forward(ctx, group, *tensors):  # type: ignore[override]
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        ctx.rows = [t.shape[0] for t in tensors]
         world = dist.get_world_size(group)
-        ctx.group, ctx.rank, ctx.rows = group, dist.get_rank(group), x.shape[0]
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, x.contiguous(), group=group)
-        return out
+        outs = []
+        for t in tensors:
+            out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+            gather(out, t.contiguous(), group=group)
+            outs.append(out)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        total = grad.float().contiguous()
-        dist.all_reduce(total, group=ctx.group)
-        start = ctx.rank * ctx.rows
-        return total[start : start + ctx.rows].to(grad.dtype), None
+    def backward(ctx, *grads):  # type: ignore[override]
+        out = []
+        for grad, rows in zip(grads, ctx.rows, strict=True):
+            if grad is None:  # no gradient here: still the same collective as every rank's
+                out.append(None)
+                dist.all_reduce(torch.zeros(1), group=ctx.group)
+                continue
+            total = grad.float().contiguous()
+            dist.all_reduce(total, group=ctx.group)
+            start = ctx.rank * rows
+            out.append(total[start : start + rows].to(grad.dtype))
+        return (None, *out)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -278,10 +293,9 @@ class FallbackExchange:
     def __call__(
         self, tokens: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, layer: int
     ) -> torch.Tensor:
-        rows = _AllGather.apply(tokens, self.group)
-        all_weights = _AllGather.apply(weights.float(), self.group)
+        rows, all_weights = _AllGather.apply(self.group, tokens, weights.float())
         with torch.no_grad():
-            all_idx = _AllGather.apply(idx, self.group)
+            (all_idx,) = _AllGather.apply(self.group, idx)
         lo = self.rank * self.local
         mine = (all_idx >= lo) & (all_idx < lo + self.local)
         local_idx = torch.where(mine, all_idx - lo, torch.full_like(all_idx, -1))

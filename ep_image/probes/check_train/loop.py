@@ -163,7 +163,9 @@ def _finite_problems(flags: dict[tuple[str, int], torch.Tensor], step: int) -> l
     what = {"forward": "output", "backward": "input gradient"}
     return [
         f"step {step}, layer {layer}: the MoE {what[where]} holds NaN or Inf"
-        for (where, layer), ok in sorted(flags.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        for (where, layer), ok in sorted(
+            flags.items(), key=lambda kv: (kv[0][1], kv[0][0] != "forward")
+        )
         if not bool(ok)
     ]
 

@@ -88,11 +88,13 @@ class Experts(torch.nn.Module):
         sizes = torch.bincount(expert, minlength=local).tolist()
         grouped = rows[pair_row]
         outputs = []
+        # Every expert's GEMMs run, an expert without rows too: its output then still depends on
+        # ``rows`` and its weights, so every rank's backward takes the same path through the
+        # exchange's collectives (a rank whose experts got no row would otherwise skip one).
         for e, part in enumerate(torch.split(grouped, sizes)):
-            if part.shape[0]:
-                inner = F.gelu(part @ self.w1[e].to(rows.dtype))
-                outputs.append(inner @ self.w2[e].to(rows.dtype))
-        out = torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[1]))
+            inner = F.gelu(part @ self.w1[e].to(rows.dtype))
+            outputs.append(inner @ self.w2[e].to(rows.dtype))
+        out = torch.cat(outputs)
         weighted = out.float() * weights[pair_row, pair_slot].float()[:, None]
         per_slot = torch.zeros(
             (count, slots, rows.shape[1]), dtype=torch.float32, device=rows.device

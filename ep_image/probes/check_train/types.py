@@ -16,7 +16,8 @@ from ep_image.probes.check_ep.types import RunOptions
 PROG = "check_train"
 
 #: The steps in the order they run: check_ep's three gates, then the model, the fallback's
-#: training (the oracle), the backend's, and the verdicts drawn from them.
+#: training (the oracle), the backend's, the verdicts drawn from them, and the libraries the
+#: process mapped with everything loaded.
 STEP_NAMES = (
     "import",
     "prerequisites",
@@ -28,6 +29,7 @@ STEP_NAMES = (
     "agreement",
     "memory",
     "speed",
+    "libraries",
 )
 
 #: The model on a GPU: a small MoE transformer at a size where the exchange matters.
