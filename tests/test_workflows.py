@@ -285,6 +285,7 @@ def test_the_path_scan_sees_the_commands_that_matter() -> None:
         ".ci/run",
         "docker/Dockerfile",
         "probes/check_ep.py",
+        "probes/check_train.py",
         "probes/check_te.py",
         module_path("ep_image.backends"),
         "docker/ep-entrypoint",
@@ -544,4 +545,4 @@ def test_commands_run_in_the_image_are_the_images_probe_files() -> None:
     assert seen, "no in-image.sh command found (or the scan broke)"
     assert seen <= entry_points | launchers | probe_files, seen - entry_points - launchers
     wanted = {"probes/check_env.py", "probes/check_te.py", "probes/check_fabric.py"}
-    assert wanted | {"probes/check_ep.py"} <= seen
+    assert wanted | {"probes/check_ep.py", "probes/check_train.py"} <= seen
