@@ -366,9 +366,9 @@ TE_DISTRIBUTIONS = (
 
 
 def te_build_info_candidates(prefix: str | None = None) -> list[str]:
-    """Where a te-build.json is looked for when none is named: beside this venv (make_venv and
-    build_host keep it in the prefix that holds the venvs, ``<prefix>/te-build.json``), then
-    the image's."""
+    """Where a te-build.json is looked for when none is named: in the directory that holds this
+    venv (``<prefix>/te-build.json``, where the image keeps it for its venvs), then the image's
+    own path, for a Python outside ``/opt/venvs`` in the image."""
     beside = str(Path(prefix or sys.prefix).parent / "te-build.json")
     return list(dict.fromkeys([beside, DEFAULT_TE_BUILD_INFO]))
 

@@ -36,8 +36,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--te-build-info",
         metavar="PATH",
-        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one "
-        f"beside this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
+        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
+        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     return parser.parse_args(argv)
 

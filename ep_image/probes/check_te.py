@@ -70,8 +70,8 @@ exit codes:
     parser.add_argument(
         "--te-build-info",
         metavar="PATH",
-        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one "
-        f"beside this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
+        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
+        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     parser.add_argument("--batch", type=int, default=2, help="attention batch (default: 2)")
     parser.add_argument("--seq", type=int, default=512, help="sequence length (default: 512)")
