@@ -203,13 +203,30 @@ def nvcc_own_dir(nvcc: str) -> Path | None:
 
 
 def cuda_home() -> tuple[str | None, str]:
-    """The CUDA toolkit directory and how it was found.
+    """The CUDA toolkit directory and how it was found, the way DeepEP v2 looks for it.
 
-    Order: ``CUDA_HOME``, ``CUDA_PATH``, then the toolkit of ``nvcc`` on PATH (the parent of its
-    bin/, through symbolic links; where that holds no include/cuda_runtime.h, as for a wrapper
-    script in /usr/local/bin, the directory nvcc itself reports), then ``/usr/local/cuda``.
-    torch's and DeepEP's builds take the parent of the nvcc on PATH as it stands: where that is
-    no CUDA home, ``found_by`` says so, and setting ``CUDA_HOME`` to this one is the fix.
+    Order: ``CUDA_HOME``, ``CUDA_PATH``, the parent of ``nvcc`` on PATH, ``/usr/local/cuda``.
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(var)
+        if value:
+            return value, var
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return str(Path(os.path.realpath(nvcc)).parent.parent), "nvcc on PATH"
+    if Path("/usr/local/cuda").is_dir():
+        return "/usr/local/cuda", "/usr/local/cuda"
+    return None, "not found"
+
+
+def toolkit_home() -> tuple[str | None, str]:
+    """The CUDA toolkit this environment has, and how it was found: what a report names.
+
+    Order: ``CUDA_HOME``, ``CUDA_PATH``, then the toolkit of ``nvcc`` on PATH: the parent of
+    its bin/ through symbolic links, or, where that holds no include/cuda_runtime.h (a wrapper
+    script in /usr/local/bin), the directory nvcc itself reports; then ``/usr/local/cuda``.
+    :func:`cuda_home` is the lookup a JIT backend makes, which takes the wrapper's parent:
+    ``found_by`` says when the two differ and that ``CUDA_HOME`` is the fix.
     """
     for var in ("CUDA_HOME", "CUDA_PATH"):
         value = os.environ.get(var)
@@ -223,16 +240,10 @@ def cuda_home() -> tuple[str | None, str]:
         own = nvcc_own_dir(nvcc)
         if own is not None and is_cuda_home(own.parent):
             return str(own.parent), (
-                f"nvcc on PATH: {nvcc} runs {own / 'nvcc'} (builds that take nvcc's parent "
-                f"need CUDA_HOME={own.parent})"
+                f"nvcc on PATH: {nvcc} runs {own / 'nvcc'} (builds and JIT backends that take "
+                f"nvcc's parent as the CUDA home need CUDA_HOME={own.parent})"
             )
-    if Path("/usr/local/cuda").is_dir():
-        return "/usr/local/cuda", "/usr/local/cuda"
-    if nvcc:
-        return str(Path(os.path.realpath(nvcc)).parent.parent), (
-            "nvcc on PATH (no include/cuda_runtime.h there: not a full toolkit)"
-        )
-    return None, "not found"
+    return cuda_home()
 
 
 def nvcc_version(home: str | None) -> tuple[str | None, str | None]:

@@ -64,7 +64,7 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
     build_info = _facts.read_json_file(build_info_path) if build_info_path else None
     loaded = _facts.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
     installed = _backend_detect.detect_installed()
-    cuda_home, cuda_home_from = _facts.cuda_home()
+    cuda_home, cuda_home_from = _facts.toolkit_home()
     nvcc, nvcc_version = _facts.nvcc_version(cuda_home)
     te_dir = _facts.module_dir("transformer_engine")
     gpus = _facts.nvidia_smi()
