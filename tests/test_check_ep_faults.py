@@ -1,4 +1,4 @@
-"""check_ep against backends that fail the way real kernels do (issue 10): every one must end
+"""check_ep against backends that fail the way real kernels do: every one must end
 with the right non-zero code *and* a table and JSON report from rank 0.
 
 Why these tests: each fault here once got past the probe - an exit with status 0 in the
@@ -119,7 +119,7 @@ def test_data_corrupted_by_back_to_back_calls_fails(
 
 
 # ---------------------------------------------------------------------------------------
-# Ranks in step (issue 29): a check that fails on one rank never leaves a peer waiting
+# Ranks in step: a check that fails on one rank never leaves a peer waiting
 # ---------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""check_ep's scenarios and operation contracts (issue 12), against backends with one fault each.
+"""check_ep's scenarios and operation contracts, against backends with one fault each.
 
 Why these tests: every layer-shape check drives one routing, so a backend right only for it
 passed. Each scenario class gets a broken backend here (tests/fixtures/broken_backends.py:

@@ -496,7 +496,7 @@ def test_multi_backend_assembly_is_each_stage_venv_and_only_its_files(
 
 @pytest.mark.slow
 def test_the_probe_files_run_from_the_images_workdir(buildah: Buildah, multi_build: Built) -> None:
-    """The design card's `docker run IMAGE probes/check_ep.py`: through the image's entrypoint,
+    """README's `docker run IMAGE probes/check_ep.py`: through the image's entrypoint,
     relative to its WORKDIR, with the active venv's python (the CPU profile's torch lacks its
     CUDA libraries, so here the probe shows its help and check_env runs whole)."""
     entry = "/opt/ep-image/docker/ep-entrypoint"

@@ -67,7 +67,7 @@ def test_lock_is_current() -> None:
 def test_conflict_set_is_exactly_the_three_backends(pyproject: dict, lock: dict) -> None:
     declared = pyproject["tool"]["uv"]["conflicts"]
     assert {item["extra"] for item in declared[0]} == set(BACKENDS)
-    # deepep_v2's variant (DeepEP v2 from the seed's commit) ships deep_ep too: it excludes all.
+    # deepep_v2's variant (upstream DeepEP v2 at af9a0403) ships deep_ep too: it excludes all.
     assert {item["extra"] for item in declared[1]} == {*BACKENDS, "deepep_v2_pinned"}
     # moe holds deepep_v2, so it must exclude exactly the others.
     moe_sets = [{i["extra"] for i in s} for s in declared[2:]]

@@ -146,7 +146,7 @@ def _is_generated_or_stage_name(text: str) -> bool:
 
 
 def test_a_variant_installs_its_backend_from_its_own_source() -> None:
-    """deepep_v2_pinned: DeepEP v2 from the seed's commit, not SGLang's wheel; hybridep keeps
+    """deepep_v2_pinned: upstream DeepEP v2 at af9a0403, not SGLang's wheel; hybridep keeps
     its own commit of the same git package (uv's per-extra sources)."""
     wheel = backends.get_backend("deepep_v2", ROOT)
     assert (wheel.extra, wheel.distribution, wheel.git) == ("deepep_v2", "sgl-deep-ep", None)

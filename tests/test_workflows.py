@@ -529,7 +529,7 @@ def test_ci_and_ci_run_install_the_same_uv() -> None:
 
 
 def test_commands_run_in_the_image_are_the_images_probe_files() -> None:
-    """`in-image.sh CMD`: CMD is one of the image's probes/ files (the design card's
+    """`in-image.sh CMD`: CMD is one of the image's probes/ files (README's
     `probes/check_ep.py`, run from the image's WORKDIR with the active venv's python), a
     [project.scripts] entry point or a launcher."""
     with (ROOT / "pyproject.toml").open("rb") as fh:

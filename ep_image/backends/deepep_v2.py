@@ -25,7 +25,7 @@ SPEC = BackendSpec(
             extra="deepep_v2_pinned",
             distribution="deep-ep",
             summary=(
-                "upstream DeepEP at the seed's pinned commit, built from source (nvcc, "
+                "upstream DeepEP at NeMo AutoModel's pinned commit, built from source (nvcc, "
                 "NCCL >= 2.30 from the lock) instead of SGLang's wheel"
             ),
             build_needs=(NCCL,),

@@ -36,8 +36,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--te-build-info",
         metavar="PATH",
-        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else "
-        f"{_facts.DEFAULT_TE_BUILD_INFO})",
+        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
+        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     return parser.parse_args(argv)
 
@@ -61,10 +61,10 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
     """Everything the manifest reports; each probe is independent and failure-tolerant."""
     torch_info, torch_error = torch_section()
     build_info_path = _facts.te_build_info_path(te_build_info)
-    build_info = _facts.read_json_file(build_info_path)
+    build_info = _facts.read_json_file(build_info_path) if build_info_path else None
     loaded = _facts.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
     installed = _backend_detect.detect_installed()
-    cuda_home, cuda_home_from = _facts.cuda_home()
+    cuda_home, cuda_home_from = _facts.toolkit_home()
     nvcc, nvcc_version = _facts.nvcc_version(cuda_home)
     te_dir = _facts.module_dir("transformer_engine")
     gpus = _facts.nvidia_smi()
@@ -160,8 +160,11 @@ def table(m: dict[str, Any]) -> str:
     te_text = _fmt(te_dist.get("version"))
     if te["module_dir"]:
         te_text += f" at {te['module_dir']}"
-    built_text = f"{_fmt(m['cudnn']['built'])} (from {te['build_info_path']}"
-    built_text += ")" if te["build_info"] else ": absent)"
+    if te["build_info_path"] is None:
+        built_text = f"null, {_facts.no_te_build_info()}"
+    else:
+        built_text = f"{_fmt(m['cudnn']['built'])} (from {te['build_info_path']}"
+        built_text += ")" if te["build_info"] else ": absent)"
     nccl, nvshmem = m["nccl"], m["nvshmem"]
     nvshmem_text = f"wheel {dist_text(nvshmem['dist'])}, NVSHMEM_DIR {_fmt(nvshmem['NVSHMEM_DIR'])}"
     rows = [
