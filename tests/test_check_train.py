@@ -65,11 +65,13 @@ def test_reference_trains_beside_the_fallback(tmp_path: Path, ranks: int) -> Non
     assert set(statuses(report).values()) <= {"pass", "info"}, statuses(report)
     n = report["numbers"]
     # The loss falls, in both trainings, by more than the tenth the verdict asks.
-    for phase in ("fallback", "train"):
-        losses = n[f"{phase}_losses"]
+    for phase in ("fallback", "backend"):
+        losses = n["losses"][phase]
         assert len(losses) == 8 and losses[-1] < 0.5 * losses[0], (phase, losses)
+        assert n["median_step_seconds"][phase] > 0
     # The reference is the fallback's exchange by other means: every step bit for bit.
-    assert n["train_losses"] == n["fallback_losses"]
+    assert n["losses"]["backend"] == n["losses"]["fallback"]
+    assert n["speedup"] > 0 and n["backend_tokens_per_second"] > 0
     assert n["agreement_max_loss_rel_diff"] == 0.0 and n["agreement_max_grad_rel_diff"] == 0.0
     recompute = step(report, "recompute")["data"]
     # Every layer of every step was recomputed once, and got its forward's rows.
