@@ -42,13 +42,8 @@ def scenario_results(run) -> dict[str, dict]:
     ("cls", "world", "failing", "phrase"),
     [
         # At one rank every layout delivers every token in order, so a stale layout hides.
-        # Views and interleaved layouts run backward through an earlier layout's handle too.
-        (
-            "KeepsPreviousLayout",
-            2,
-            ("changing", "views", "interleaved"),
-            "layout 2 combine_backward",
-        ),
+        # Interleaved layouts run backward through an earlier layout's handle too.
+        ("KeepsPreviousLayout", 2, ("changing", "interleaved"), "layout 2 combine_backward"),
         ("ReusesDispatchBuffer", 1, ("changing", "interleaved"), "layout 2 outputs: what dispatch"),
         ("DropsHotExpertTokens", 1, ("skewed",), "layout 0 dispatch: local expert"),
         # marks drops slots too (-1 in a token's first, last or every slot).
@@ -59,8 +54,8 @@ def scenario_results(run) -> dict[str, dict]:
         # How frameworks drive a backend.
         ("ReadsXAsContiguous", 2, ("views",), "layout 0 dispatch: received"),
         ("RoutingByReferenceInHandle", 2, ("views",), "dispatch_cached (round 1)"),
-        ("CombineUsesLastHandle", 2, ("views", "interleaved"), "combine"),
-        ("ExtraZeroRowsOnRedispatch", 1, ("recompute",), "layout 1 dispatch again: received"),
+        ("CombineUsesLastHandle", 2, ("interleaved",), "layout 0 combine"),
+        ("ExtraZeroRowsOnRedispatch", 1, ("recompute",), "layout 0 dispatch again: received"),
         ("StaleAfterRecreate", 1, ("lifecycle",), "layout 1 dispatch"),
         ("DropsZeroWeightSlots", 2, ("marks",), "layout 0 dispatch: received"),
     ],

@@ -84,34 +84,33 @@ SCENARIOS: tuple[Scenario, ...] = (
         "views",
         "inputs as views of wider tensors (a column slice, a transpose) that the caller "
         "overwrites after each call, and the outputs it got back written over too",
-        layouts=2,
         rounds=1,
         views=True,
-        tokens=128,
+        tokens=64,
     ),
     Scenario(
         "interleaved",
-        "several live layouts: 3 routings dispatched before any is combined, combined in "
-        "another order, then each one's backward",
-        layouts=3,
+        "several live layouts: 2 routings dispatched before either is combined, combined in "
+        "the other order, then each one's backward",
+        layouts=2,
         interleaved=True,
-        tokens=128,
+        tokens=64,
     ),
     Scenario(
         "recompute",
-        "activation checkpointing's order: 3 layouts forward, then from the last to the first "
-        "each routing dispatched again after the later ones went through the buffer, its rows "
+        "activation checkpointing's order: 2 layouts forward, then from the last to the first "
+        "each routing dispatched again after the later one went through the buffer, its rows "
         "held against its forward's, then its backward",
-        layouts=3,
+        layouts=2,
         recompute=True,
-        tokens=128,
+        tokens=64,
     ),
     Scenario(
         "lifecycle",
         "the buffer's whole life: used, destroyed, made again on the same group, used again",
         layouts=2,
         lifecycle=True,
-        tokens=128,
+        tokens=64,
     ),
     Scenario(
         "marks",
@@ -119,7 +118,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         "experts with weight 0 (delivered and counted, contributing nothing)",
         routing="marks",
         needs=(DROPPED_SLOTS,),
-        tokens=128,
+        tokens=64,
     ),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
