@@ -182,8 +182,11 @@ def table(m: dict[str, Any]) -> str:
     library = ep.get("library") or {}
     library_text = (
         f"{_fmt(library.get('library'))} (release {_fmt(library.get('library_release'))}), "
-        f"binds NCCL {_fmt(library.get('nccl_bound_release'))} "
-        f"{_fmt(library.get('nccl_bound'))}"
+        + (
+            f"binds NCCL {_fmt(library.get('nccl_bound_release'))} {library['nccl_bound']}"
+            if library.get("nccl_bound")
+            else "the loader finds no libnccl.so.2 for it"
+        )
     )
     nvshmem_text = f"wheel {dist_text(nvshmem['dist'])}, NVSHMEM_DIR {_fmt(nvshmem['NVSHMEM_DIR'])}"
     rows = [
