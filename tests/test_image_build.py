@@ -377,7 +377,6 @@ def test_unknown_ep_fails_fast_listing_the_valid_values(
     assert "unknown EP 'deepep_v3'" in text
     values = ", ".join(v for v, _ in backends.image_ep_values())
     assert f"valid EP values: {values}" in text
-    assert "valid EP values: deepep_v1, deepep_v2, hybridep, all" in text
     assert " AS base" not in text, "the base stage started before EP was checked"
     assert build.seconds < 60, f"took {build.seconds:.0f}s"
     announce(pytestconfig, [f"EP=deepep_v3 failed after {build.seconds:.1f}s:"] + [
