@@ -174,6 +174,28 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else (0.0 if a == b else math.inf)
 
 
+def _begin(phase: Phase, label: str) -> float:
+    """A step's start: its breadcrumb, the GPU's peak statistics reset, the device idle; the
+    clock reading to time it from."""
+    _supervise.progress.update(scenario=label)
+    if phase.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(phase.device)
+    _sync(phase.device)
+    return time.perf_counter()
+
+
+def _since(phase: Phase, start: float) -> float:
+    """Seconds since ``start``, once the device finished what was queued."""
+    _sync(phase.device)
+    return time.perf_counter() - start
+
+
+def _not_finite(step: int, loss: float, norm: float) -> list[str]:
+    if math.isfinite(loss) and math.isfinite(norm):
+        return []
+    return [f"step {step}: loss {loss}, gradient norm {norm}"]
+
+
 def train_fallback(
     phase: Phase, make_exchange: Callable[[Trainer], Any], checkpointed: bool
 ) -> PhaseResult:
@@ -183,24 +205,15 @@ def train_fallback(
     moe = make_exchange(trainer)
     result = PhaseResult()
     for step in range(phase.steps):
-        _supervise.progress.update(scenario=f"fallback step {step}")
-        if phase.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(phase.device)
-        _sync(phase.device)
-        start = time.perf_counter()
+        start = _begin(phase, f"fallback step {step}")
         loss = trainer.forward_backward(step, moe, checkpointed)
         trainer.optimizer.step()
-        _sync(phase.device)
-        seconds = time.perf_counter() - start
+        seconds = _since(phase, start)
         norm = math.sqrt(trainer.norm_sq(*trainer.gradient()))
-        result.steps.append(_record(phase, step, loss, norm, seconds))
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            result.steps[-1].nonfinite.append(f"step {step}: loss {loss}, gradient norm {norm}")
+        record = StepRecord(step, loss, norm, seconds, None, peak_bytes(phase))
+        record.nonfinite = _not_finite(step, loss, norm)
+        result.steps.append(record)
     return result
-
-
-def _record(phase: Phase, step: int, loss: float, norm: float, seconds: float) -> StepRecord:
-    return StepRecord(step, loss, norm, seconds, None, peak_bytes(phase))
 
 
 def train_backend(
@@ -218,20 +231,15 @@ def train_backend(
     fallback = fallback_exchange(trainer)
     result = PhaseResult()
     for step in range(phase.steps):
-        _supervise.progress.update(scenario=f"backend step {step}")
-        if phase.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(phase.device)
         moe.finite.clear()
         moe.ledger.begin(step, checking=checkpointed)
-        _sync(phase.device)
-        start = time.perf_counter()
+        start = _begin(phase, f"backend step {step}")
         try:
             loss = trainer.forward_backward(step, moe, checkpointed)
         except RecomputeMismatch as exc:
             result.mismatch = str(exc)
             return result
-        _sync(phase.device)
-        seconds = time.perf_counter() - start
+        seconds = _since(phase, start)
         peak = peak_bytes(phase)
         nonfinite = _finite_problems(moe.finite, step)
         dense, own = trainer.gradient()
@@ -257,17 +265,15 @@ def train_backend(
             }
         trainer.restore(dense, own)
         del dense, own
-        _sync(phase.device)
-        start = time.perf_counter()
+        start = _begin(phase, f"backend step {step}: optimizer")
         trainer.optimizer.step()
-        _sync(phase.device)
-        seconds += time.perf_counter() - start
-        record = StepRecord(
-            step, loss, math.sqrt(norm_sq), seconds, live_bytes(phase.device), peak, nonfinite
-        )
+        seconds += _since(phase, start)
+        after = peak_bytes(phase)  # the optimizer's own peak, as the fallback's step counts it
+        peak = max(peak, after) if peak is not None and after is not None else peak
+        norm = math.sqrt(norm_sq)
+        record = StepRecord(step, loss, norm, seconds, live_bytes(phase.device), peak, nonfinite)
         record.references = references
-        if not (math.isfinite(loss) and math.isfinite(record.grad_norm)):
-            record.nonfinite.append(f"step {step}: loss {loss}, gradient norm {record.grad_norm}")
+        record.nonfinite += _not_finite(step, loss, norm)
         result.steps.append(record)
     return result
 
