@@ -123,6 +123,8 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
         out["precision_weights_calc_diff"] = prec.get(
             "max_weights_calc_diff", prec.get("weights_calc_diff")
         )
+    if "accumulation_checked" in prec:
+        out["precision_accumulation_checked"] = prec["accumulation_checked"]
     scen = by_name.get("scenarios", {})
     if scen.get("scenarios"):
         out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
