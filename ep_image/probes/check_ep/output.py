@@ -137,6 +137,10 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
             out[key] = value["mean"] if isinstance(value, dict) else value
     if band.get("shared_gpu"):
         out["bandwidth_note"] = SHARED_GPU_LABEL
+    slow = band.get("slow_path", {})
+    keys = ("dispatch_speedup_vs_reference", "combine_speedup_vs_reference")
+    keys += ("dispatch_peak_vs_payload", "combine_peak_vs_payload", "warnings")
+    out.update({f"slow_path_{k}": slow[k] for k in keys if k in slow})
     return out
 
 
