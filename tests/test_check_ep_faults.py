@@ -558,6 +558,7 @@ def test_the_jit_adapters_declare_what_their_jit_runs_from_the_cuda_home() -> No
     (csrc/hybrid_ep/jit/compiler.cu at e0a5b1d9)."""
     from ep_image.probes.check_ep.adapters.plugins import ADAPTERS
 
-    assert ADAPTERS["ElasticBuffer"].jit_tools == ("nvcc", "cuobjdump")
-    assert ADAPTERS["HybridEPBuffer"].jit_tools == ("nvcc",)
-    assert all(cls.jit_compiles for cls in (ADAPTERS["ElasticBuffer"], ADAPTERS["HybridEPBuffer"]))
+    elastic, hybrid = ADAPTERS["deep_ep", "ElasticBuffer"], ADAPTERS["deep_ep", "HybridEPBuffer"]
+    assert elastic.jit_tools == ("nvcc", "cuobjdump")
+    assert hybrid.jit_tools == ("nvcc",)
+    assert all(cls.jit_compiles for cls in (elastic, hybrid))

@@ -97,10 +97,16 @@ def steps(workflow: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def pyproject_backends() -> list[str]:
-    """The EP backends: the extras of the first `[tool.uv] conflicts` set, in file order."""
+    """The EP backends: pyproject.toml's extras that install one (each holds its backend's
+    distribution, as the registry names it), in file order; not `te`, `moe` or a variant."""
     with (ROOT / "pyproject.toml").open("rb") as fh:
-        conflicts = tomllib.load(fh)["tool"]["uv"]["conflicts"]
-    return [entry["extra"] for entry in conflicts[0]]
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    dists = {s.name: s.distribution for s in backends.SPECS}
+    return [
+        name
+        for name, requirements in extras.items()
+        if name in dists and any(r.startswith(dists[name]) for r in requirements)
+    ]
 
 
 def expected_eps() -> list[str]:

@@ -83,9 +83,9 @@ def run_once(probe: str, args: list[str], report: Path, timeout: float) -> dict[
             s["name"] for s in data.get("steps", []) if s["status"] not in ("pass", "info")
         ],
         "step_seconds": {s["name"]: s["seconds"] for s in data.get("steps", [])},
-        "training_step_seconds": {
+        "training": {
             k: data.get("numbers", {}).get(k)
-            for k in ("backend_step_seconds", "fallback_step_seconds", "speedup")
+            for k in ("median_step_seconds", "speedup")
             if k in data.get("numbers", {})
         },
         "load_at_start": [round(x, 2) for x in load],

@@ -47,7 +47,8 @@ how to run:
                                                             2 ranks sharing 1 GPU (functional)
   check-ep --scenarios uneven --seed 3     one scenario, reproduced
 
-scenarios (--scenarios): changing, skewed, dropped, uneven, reuse; see docs/probes.md
+scenarios (--scenarios): changing, skewed, dropped, uneven, reuse, views, interleaved,
+  recompute, lifecycle, marks; see docs/probes.md
 
 exit codes (all ranks agree):
   0 all passed   1 a check failed (wrong numbers)   2 bad usage

@@ -14,6 +14,7 @@ from typing import Any
 
 from ep_image.probes import _facts, _supervise, _venv_record
 from ep_image.probes._report import (
+    EXIT_FAILED,
     EXIT_UNUSABLE,
     Status,
     Step,
@@ -167,6 +168,10 @@ _HINTS = {
     "JSON",
     "stopped": "the launcher stopped the job before any rank posted a failure (SIGTERM); "
     "look at the launcher's log for the first rank that exited",
+    "stall": "the stalled rank waits in a collective its peers never joined (a backend that "
+    "answered from a cache or skipped its communication on their side), or hangs in native code "
+    "after its last collective (its stack is above): run the backend's own tests here and "
+    "report it with this JSON",
 }
 
 
@@ -187,6 +192,24 @@ def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -
         return f"{step} did not finish within {deadline:g} s on {who}{where}"
     if outcome["how"] == "error":
         return f"{who} failed during {step}: {outcome.get('error')}"
+    if outcome["how"] == "stall":
+        found = outcome.get("stall") or {}
+        call = f" (in the backend's {found['call']})" if found.get("call") else ""
+        scenario = f" (scenario {found['scenario']})" if found.get("scenario") else ""
+        finished = found.get("finished", {})
+        text = (
+            f"rank {rank} stopped making progress in {found.get('step', step)}{call}{scenario} "
+            f"after ranks {[int(r) for r in finished]} finished that step: no progress for "
+            f"{found.get('waited')} s after them, past the bound of {found.get('bound')} s"
+        )
+        if found.get("peer_step_seconds") is not None:
+            text += f" (their step took {found['peer_step_seconds']} s)"
+        wrong = [
+            f"rank {r}: {a.get('detail')}" for r, a in finished.items() if a.get("status") == "fail"
+        ]
+        if wrong:
+            text += "; before it the backend returned wrong data: " + "; ".join(wrong)
+        return text
     if outcome["how"] == "raised":
         raised = outcome.get("raised") or {}
         waiting = raised.get("waiting", [])
@@ -202,7 +225,7 @@ def primary_failure(
     outcomes: dict[int, dict[str, Any]],
 ) -> tuple[int, dict[str, Any]] | None:
     """The failure to report: the earliest crash or exit, else a hang, an error, a stop."""
-    for kinds in (("signal", "exit", "raised"), ("hang",), ("error",), ("stopped",)):
+    for kinds in (("signal", "exit", "raised", "stall"), ("hang",), ("error",), ("stopped",)):
         found = [(o.get("time", 0.0), r, o) for r, o in outcomes.items() if o["how"] in kinds]
         if found:
             _, rank, outcome = min(found, key=lambda item: (item[0], item[1]))
@@ -233,9 +256,13 @@ def report_unfinished(
     if failure["how"] == "error" and current == names[0]:
         hint = _HINTS["import_error"]
     raised = failure.get("raised") or {}
+    # A stall after the backend returned wrong data on the ranks that finished is a failed
+    # check (exit 1); one where nothing was wrong yet, a hang (3).
+    wrong_data = failure["how"] == "stall" and (failure.get("stall") or {}).get("wrong_data")
+    status, code = (Status.FAIL, EXIT_FAILED) if wrong_data else (Status.ERROR, EXIT_UNUSABLE)
     step = Step(
         current,
-        Status.ERROR,
+        status,
         seconds=float(raised.get("seconds", failure.get("seconds_in_step", 0.0))),
         detail=detail,
         hint=raised.get("hint") or hint,
@@ -263,4 +290,4 @@ def report_unfinished(
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
     ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    return finish(kind, options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)
+    return finish(kind, options, env, sel, steps, meta, code, rank_outcomes=ranks)

@@ -18,11 +18,11 @@ def select_backend(options: RunOptions) -> Selection:
         return Selection("custom", f"--backend-class {options.backend_class}", None, custom=True)
     if options.backend == "torch":
         return Selection("torch", "requested", None)
-    installed = _backend_detect.detect_installed()
+    installed = _backend_detect.detect_installed(options.backend)
     if options.backend == "auto":
         if installed.module_dir is None:
             return Selection(
-                "torch", "auto: no deep_ep installed, using the torch reference", installed
+                "torch", "auto: no EP backend installed, using the torch reference", installed
             )
         if installed.backend is None:
             step = Step(
@@ -41,7 +41,7 @@ def select_backend(options: RunOptions) -> Selection:
     else:
         detail = (
             f"{options.backend} requested but this environment holds "
-            f"{installed.backend or 'an unknown deep_ep'} ({installed.reason})"
+            f"{installed.backend or 'an unknown ' + installed.module} ({installed.reason})"
         )
     step = Step(
         "import", Status.MISSING, detail=detail, hint=_backend_detect.INSTALL_HINTS[options.backend]

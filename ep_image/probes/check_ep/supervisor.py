@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Any
 
 from ep_image.probes import _supervise
 from ep_image.probes._report import EXIT_UNUSABLE, Step, exit_code_of
-from ep_image.probes.check_ep import launch, output, preflight, worker
+from ep_image.probes.check_ep import launch, output, preflight, stall, worker
 from ep_image.probes.check_ep.board import Board
 from ep_image.probes.check_ep.ranks import RankEnv
 from ep_image.probes.check_ep.selection import select_backend
@@ -72,7 +73,19 @@ def supervise(kind: ProbeKind, options: RunOptions, env: RankEnv) -> int:
         board = board_box[0]
         return board is not None and board.failures() > 0
 
-    watch = _supervise.Watch(step_deadline=options.timeout, peer_failed=peer_failed)
+    def stalled(state: dict[str, Any]) -> dict[str, Any] | None:
+        """Whether this rank's backend process stopped in a step its peers finished."""
+        board = board_box[0] if board_box else None
+        if board is None:
+            return None
+        heading = int(state.get("agreed", 0)) + 1
+        return stall.stalled(state, board.arrivals(heading), env.rank)
+
+    watch = _supervise.Watch(
+        step_deadline=options.timeout,
+        peer_failed=peer_failed,
+        stalled=stalled if env.world > 1 else None,
+    )
     outcome = _supervise.run_supervised(lambda: worker.work(kind, options, env, sel), watch)
     raised = outcome.progress.get("raised")
     if outcome.how == "finished" and raised:

@@ -18,6 +18,7 @@ from ep_image import cli
 from ep_image.probes import _supervise
 from ep_image.probes._report import EXIT_UNUSABLE, EXIT_USAGE, Step, exit_code_of
 from ep_image.probes.check_ep import output
+from ep_image.probes.check_ep.calls import track_calls
 from ep_image.probes.check_ep.ranks import (
     PeersLeftWaiting,
     RankEnv,
@@ -71,7 +72,7 @@ def run_worker(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selectio
     )
     if sel.custom:
         sel.name = backend_cls.name
-    backend = backend_cls()
+    backend = track_calls(backend_cls())
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # this rank's view
     if backend.requires_gpu:
         if options.device == "cpu":

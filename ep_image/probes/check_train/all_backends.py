@@ -69,14 +69,15 @@ def summary_row(run: dict[str, Any]) -> dict[str, Any]:
         for s in report.get("steps", [])
         if s["status"] in ("fail", "error", "missing", "skip")
     ]
+    medians = n.get("median_step_seconds", {})
     return {
         "backend": run["backend"],
         "exit_code": run["exit_code"],
         "result": report.get("result") or RESULT_WORDS.get(run["exit_code"], "no report"),
-        "step_seconds": n.get("backend_step_seconds"),
-        "fallback_step_seconds": n.get("fallback_step_seconds"),
+        "step_seconds": medians.get("backend"),
+        "fallback_step_seconds": medians.get("fallback"),
         "speedup": n.get("speedup"),
-        "tokens_per_second": (n.get("train_tokens_per_second")),
+        "tokens_per_second": n.get("backend_tokens_per_second"),
         "peak_bytes": n.get("backend_peak_bytes"),
         "loss_rel_diff": n.get("agreement_max_loss_rel_diff"),
         "label": n.get("label"),

@@ -40,7 +40,7 @@ def build_parser() -> cli.Parser:
 how to run:
   check-train                                   one rank, the backend installed here
   check-train --nproc-per-node 2 --backend torch   2 local ranks (CPU: gloo)
-  check-train --nproc-per-node 4 --ranks-per-gpu 4 --backend deepep_v1
+  check-train --nproc-per-node 4 --ranks-per-gpu 4 --backend NAME
                                                 4 ranks sharing 1 GPU (functional)
   check-train --all-backends                    every backend venv under the prefix, one table
   torchrun --nproc-per-node 8 -m ep_image.probes.check_train --json train.json

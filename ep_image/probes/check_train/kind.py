@@ -90,22 +90,26 @@ def header(sel: Selection, env: RankEnv, meta_: dict[str, Any]) -> list[str]:
 
 
 def numbers(steps: list[Any]) -> dict[str, Any]:
-    """The report's headline numbers: each phase's losses, the agreement, time and memory."""
+    """The report's headline numbers, each phase's side by side: losses, gradient norms, step
+    times, the agreement, memory."""
     by_name = {s.name: s.data for s in steps}
     out: dict[str, Any] = {}
-    for name in ("fallback", "train"):
-        data = by_name.get(name, {})
-        for key in ("losses", "grad_norms", "step_seconds", "tokens_per_second"):
-            if key in data:
-                out[f"{name}_{key}"] = data[key]
+    for key in ("losses", "grad_norms", "step_seconds", "median_step_seconds"):
+        phases = {
+            label: by_name[name][key]
+            for label, name in (("fallback", "fallback"), ("backend", "train"))
+            if key in by_name.get(name, {})
+        }
+        if phases:
+            out[key] = phases
+    speed = by_name.get("speed", {})
+    for key in ("speedup", "backend_tokens_per_second", "fallback_tokens_per_second", "label"):
+        if key in speed:
+            out[key] = speed[key]
     agreement = by_name.get("agreement", {})
     for key in ("bound", "max_loss_rel_diff", "max_grad_norm_rel_diff", "max_grad_rel_diff"):
         if key in agreement:
             out[f"agreement_{key}"] = agreement[key]
-    speed = by_name.get("speed", {})
-    for key in ("backend_step_seconds", "fallback_step_seconds", "speedup", "label"):
-        if key in speed:
-            out[key] = speed[key]
     memory = by_name.get("memory", {})
     for key in ("backend_peak_bytes", "fallback_peak_bytes", "live_bytes_per_step"):
         if key in memory:
