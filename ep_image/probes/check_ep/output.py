@@ -124,6 +124,8 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
         out["precision_weights_calc_diff"] = prec.get(
             "max_weights_calc_diff", prec.get("weights_calc_diff")
         )
+    if "accumulation_checked" in prec:
+        out["precision_accumulation_checked"] = prec["accumulation_checked"]
     scen = by_name.get("scenarios", {})
     if scen.get("scenarios"):
         out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
@@ -136,6 +138,10 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
             out[key] = value["mean"] if isinstance(value, dict) else value
     if band.get("shared_gpu"):
         out["bandwidth_note"] = SHARED_GPU_LABEL
+    slow = band.get("slow_path", {})
+    keys = ("dispatch_speedup_vs_reference", "combine_speedup_vs_reference")
+    keys += ("dispatch_peak_vs_payload", "combine_peak_vs_payload", "warnings")
+    out.update({f"slow_path_{k}": slow[k] for k in keys if k in slow})
     return out
 
 
