@@ -744,3 +744,24 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     assert "(empty: the first dispatch compiles)" in detail and "NCCL GIN enabled" in detail
     detail = gates._import_detail(sel, {"distribution": "deep-ep", "version": "2.0.0", **facts})
     assert "(2 files: reused)" in detail
+
+
+def test_a_backend_class_file_may_define_dataclasses(tmp_path: Path) -> None:
+    """A --backend-class file is loaded as an import loads a module: a @dataclass in it (which
+    looks its module up while it is made) works."""
+    source = tmp_path / "dataclass_backend.py"
+    source.write_text(
+        "import dataclasses\n"
+        "from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend\n"
+        "@dataclasses.dataclass\n"
+        "class Tally:\n"
+        "    calls: int = 0\n"
+        "class WithTally(TorchBackend):\n"
+        "    name = 'with_tally'\n"
+        "    tally = Tally()\n"
+    )
+    proc, report = run_probe(
+        tmp_path, "--backend-class", f"{source}:WithTally", *SMALL, *QUICK, "--scenarios", "none"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["backend"] == "with_tally"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
+import sys
 from pathlib import Path
 
 from ep_image import backends as registry
@@ -70,6 +71,9 @@ def load_backend_class(spec: str) -> type[EPBackend]:
         if spec_obj is None or spec_obj.loader is None:
             raise UsageError(f"--backend-class: cannot load {target} as Python")
         module = importlib.util.module_from_spec(spec_obj)
+        # Registered first, as an import registers a module: what the file defines may look
+        # itself up there while it runs (a @dataclass does).
+        sys.modules[module_name] = module
         spec_obj.loader.exec_module(module)
     else:
         try:
