@@ -751,6 +751,7 @@ def test_a_backend_class_file_may_define_dataclasses(tmp_path: Path) -> None:
     looks its module up while it is made) works."""
     source = tmp_path / "dataclass_backend.py"
     source.write_text(
+        "from __future__ import annotations\n"
         "import dataclasses\n"
         "from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend\n"
         "@dataclasses.dataclass\n"
