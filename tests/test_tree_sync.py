@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _mounts as mounts
 import pytest
 from _venv_helpers import PYCACHE, ROOT, tree_differences
 
@@ -254,3 +255,54 @@ def test_command_line_help_usage_and_errors(tmp_path: Path) -> None:
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0 and "1 files" in done.stdout
     assert tree_differences(tmp_path / "dst", tmp_path / "src") == []
+
+
+# ---- one tree, two paths: bind mounts ---------------------------------------------------------
+
+
+@pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
+@pytest.mark.parametrize(
+    ("source", "target", "said"),
+    [
+        ("big/s", "m", "is inside TARGET"),  # before: emptied big/, its source included
+        ("m", "big/s/x", "is inside SOURCE"),  # before: 2,484 entries, then a RecursionError
+        ("m/s", "big", "is inside TARGET"),
+        ("m", "big", "the same directory"),
+        ("big", "m/s/new", "is inside SOURCE"),
+    ],
+)
+def test_the_same_tree_through_a_bind_mount_is_refused(
+    tmp_path: Path, source: str, target: str, said: str
+) -> None:
+    """``m`` is a bind mount of ``big``: the paths differ, the directories are the same."""
+    write(tmp_path / "big/s/keep.py", "keep\n")
+    write(tmp_path / "big/other.py", "other\n")
+    with mounts.bind(tmp_path / "big", tmp_path / "m"):
+        before = _state(tmp_path / "big")
+        proc = _run(tmp_path / source, tmp_path / target)
+        after = _state(tmp_path / "big")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert said in proc.stderr and "nothing was written" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("fix: ")
+    if source.startswith("m") != target.startswith("m"):
+        assert "by another path" in proc.stderr, "the message says how they are one tree"
+    assert after == before, "the tree was changed before the refusal"
+
+
+@pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
+@pytest.mark.parametrize("where", ["target", "source"])
+def test_a_mount_point_inside_either_tree_is_refused(tmp_path: Path, where: str) -> None:
+    """A mount inside TARGET would be emptied as "only in TARGET"; one inside SOURCE would be
+    copied as if it were the source's own: here both are bind mounts of the other tree."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write(src / "a.py", "a\n")
+    write(dst / "b.py", "b\n")
+    inner, other = (dst / "held", src) if where == "target" else (src / "held", dst)
+    with mounts.bind(other, inner):
+        before = (_state(src), _state(dst))
+        proc = _run(src, dst)
+        assert (_state(src), _state(dst)) == before, "a tree was changed before the refusal"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "mount point" in proc.stderr and "nothing was written" in proc.stderr, proc.stderr
+    assert str(inner) in proc.stderr

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import cli
+from ep_image import cli, mounts
 
 #: At most this many problems of the source are listed (then how many more).
 _LISTED = 20
@@ -120,26 +120,63 @@ def check_source(source: Path) -> None:
         )
 
 
+def _identities(path: Path) -> list[tuple[int, int]]:
+    """The (device, inode) of ``path`` (or, if it does not exist, of the nearest directory
+    above it that does) and of every directory above that, up to ``/``: which directories
+    these are, whatever path names them."""
+    real = Path(os.path.realpath(path))
+    while not os.path.lexists(real) and real != real.parent:
+        real = real.parent
+    return [(st.st_dev, st.st_ino) for st in map(os.stat, (real, *real.parents))]
+
+
+def _nested_as_paths(source: Path, target: Path) -> bool:
+    """Whether the resolved paths alone show the two trees to be one or nested."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    return src == dst or src.startswith(dst.rstrip("/") + "/") or dst.startswith(src + "/")
+
+
 def check_nesting(source: Path, target: Path) -> None:
     """SyncError unless the two trees are apart: a TARGET that holds SOURCE would delete it
     (everything in TARGET that SOURCE lacks goes), a TARGET inside SOURCE would be copied into
-    itself without end. Checked on the resolved paths, before anything is written."""
-    src, dst = os.path.realpath(source), os.path.realpath(target)
-    if src == dst:
+    itself without end, and a mount inside either would carry the sync into another tree.
+
+    Directories are compared by device and inode, not by path: a bind mount reaches the same
+    directory by another path. Checked before anything is written.
+    """
+    src_chain = _identities(source)
+    dst_chain = _identities(target)
+    src_id = src_chain[0]
+    dst_id = dst_chain[0] if os.path.lexists(target) else None
+    how = "" if _nested_as_paths(source, target) else " (the same directory by another path)"
+    if dst_id == src_id:
         raise SyncError(
-            f"{source} and {target} are the same directory; nothing was written\n"
+            f"{source} and {target} are the same directory{how}; nothing was written\n"
             "fix: give two trees"
         )
-    if src.startswith(dst.rstrip("/") + "/"):
+    if dst_id is not None and dst_id in src_chain[1:]:
         raise SyncError(
-            f"SOURCE {source} is inside TARGET {target}: making TARGET equal to SOURCE would "
-            "delete SOURCE; nothing was written\nfix: give a TARGET outside SOURCE's tree"
+            f"SOURCE {source} is inside TARGET {target}{how}: making TARGET equal to SOURCE "
+            "would delete SOURCE; nothing was written\nfix: give a TARGET outside SOURCE's tree"
         )
-    if dst.startswith(src.rstrip("/") + "/"):
+    if src_id in dst_chain:
         raise SyncError(
-            f"TARGET {target} is inside SOURCE {source}: it would be copied into itself; "
+            f"TARGET {target} is inside SOURCE {source}{how}: it would be copied into itself; "
             "nothing was written\nfix: give a TARGET outside SOURCE"
         )
+    table = mounts.mounts()
+    for role, tree in (("SOURCE", source), ("TARGET", target)):
+        if not os.path.lexists(tree):
+            continue
+        inner = mounts.inside(tree, table)
+        if inner:
+            raise SyncError(
+                f"{role} {tree} holds the mount point {inner[0]}"
+                + (f" (and {len(inner) - 1} more)" if len(inner) > 1 else "")
+                + ": another tree is mounted inside it, which the sync would "
+                + ("copy as its own" if role == "SOURCE" else "empty as not in SOURCE")
+                + "; nothing was written\nfix: unmount it, or give trees without mounts inside"
+            )
 
 
 def sync_tree(source: Path, target: Path) -> SyncReport:
