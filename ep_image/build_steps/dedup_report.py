@@ -8,15 +8,14 @@ the trees (a real run) or predicted from hardlink's records (``--dry-run``), so 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ep_image.build_steps.dedup_tree import Tree
+from ep_image.project import write_json
 
 
 @dataclass
@@ -166,13 +165,5 @@ def print_report(report: Report) -> None:
 
 
 def write_report(path: Path, report: Report) -> None:
-    """The JSON report, atomically: a temporary file beside it, renamed over it."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(asdict(report), indent=2) + "\n")
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    """The JSON report, atomically (project.write_json: never over anything but a file)."""
+    write_json(path, asdict(report), sort_keys=False)
