@@ -8,9 +8,8 @@ the trees (a real run) or predicted from hardlink's records (``--dry-run``), so 
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -57,18 +56,6 @@ class Report:
 
 
 # --------------------------------------------------------------------------- figures
-
-
-def linked_pairs(pairs: Iterable[tuple[str, str]], before: Tree) -> Iterator[tuple[str, str]]:
-    """The pairs whose replaced path now holds the kept path's inode, another than before."""
-    for kept, replaced in pairs:
-        try:
-            k, r = os.lstat(kept), os.lstat(replaced)
-        except OSError:
-            continue
-        now = (r.st_dev, r.st_ino)
-        if (k.st_dev, k.st_ino) == now and before.index.get(replaced) != now:
-            yield kept, replaced
 
 
 def predict(before: Tree, pairs: Iterable[tuple[str, str]]) -> Tree:
@@ -152,7 +139,10 @@ def print_report(report: Report) -> None:
             "--read-only run had cleared"
         )
     if report.stale_temps_removed:
-        print(f"dedup: removed {report.stale_temps_removed} temporary links of a killed run")
+        print(
+            f"dedup: removed {report.stale_temps_removed} temporary links a killed hardlink "
+            "left (recorded by dedup as its run's)"
+        )
     for reason, count in sorted(report.skipped.items()):
         print(f"dedup: not linked: {reason}: {count}")
     for reason, count in sorted(report.left_writable.items()):
