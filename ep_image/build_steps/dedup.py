@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ep_image import cli, mounts
-from ep_image.build_steps import dedup_leftovers, dedup_tree
+from ep_image.build_steps import dedup_leftovers, dedup_overlay, dedup_tree
 from ep_image.build_steps import dedup_read_only as read_only_mode
 from ep_image.build_steps.dedup_hardlink import find_hardlink, hardlink_argv, run_hardlink
 from ep_image.build_steps.dedup_report import (
@@ -179,6 +179,16 @@ def _dedup(
     min_size: int,
 ) -> Report:
     binary, version = find_hardlink()
+    layer = dedup_overlay.layer_of(paths[0])
+    if layer is not None and layer.upper is None and read_only and not dry_run:
+        raise DedupError(
+            f"the ROOTs are on overlayfs (a container layer, mounted at {layer.mount_point}) "
+            "whose upper directory is not visible here: --read-only changes the mode of every "
+            "shared file, and changing one that lies in a lower layer copies it whole into this "
+            "layer. Nothing was changed.",
+            "run without --read-only (in an image, built and run as root, write bits protect "
+            "nothing: docs/host-mode.md), or where the layer's upper directory is visible",
+        )
     report = Report(
         roots=[str(p) for p in paths], device=device, dry_run=dry_run, read_only=read_only
     )
@@ -210,6 +220,9 @@ def _dedup(
         keep_paths=read_only,
         index_paths=True,
     )
+    left = dedup_overlay.leave_alone(before, layer, paths) if layer is not None else None
+    if left is not None:
+        skipped.update(left.counts)
     clear = read_only_mode.to_clear(before) if read_only else {}
     apart = read_only_mode.keep_apart(before, clear) if read_only else []
     if dry_run:
@@ -229,17 +242,19 @@ def _dedup(
 
     # The passes: one with --ignore-time; under the bytecode rule, .py files apart, by mtime.
     base = regexes + [dedup_tree.literal_regex(d) for d in before.other_filesystems]
-    base += apart_regexes
+    base += apart_regexes + (left.regexes if left is not None else [])
     passes = [(True, base)]
     if before.timestamp_pyc:
         passes = [(True, [*base, _PY]), (False, [*base, _NOT_PY])]
     changed = read_only_mode.clear_write_bits(before, clear, report)
+    layer_before = dedup_overlay.measure(layer, paths) if layer is not None else 0
     pairs: list[tuple[str, str]] = []
     stopped = False
     for ignore_time, regex_list in passes:
         argv = hardlink_argv(
-            binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run, min_size=min_size
-        )
+            binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run,
+            min_size=min_size, respect_xattrs=layer is None,
+        )  # fmt: skip
         run = run_hardlink(argv)
         report.commands.append(argv)
         report.failures += run.failures
@@ -272,6 +287,13 @@ def _dedup(
             "that exist"
         )
     account(before, after, replaced, report)
+    if layer is not None:
+        layer_after = dedup_overlay.measure(layer, paths) if not dry_run else layer_before
+        layer.figures = {"layer_bytes_before": layer_before, "layer_bytes_after": layer_after}
+        if not dry_run:  # what the layer gained, not what `du` of the merged view says
+            report.saved_bytes = layer_before - layer_after
+            report.shared_not_freed_bytes = 0
+        report.overlay = layer.to_json()
     if read_only and not dry_run:
         read_only_mode.settle_modes(after, changed, report)
         read_only_mode.drop_journals(paths)

@@ -69,9 +69,12 @@ def hardlink_argv(
     ignore_time: bool,
     dry_run: bool,
     min_size: int,
+    respect_xattrs: bool = True,
 ) -> list[str]:
-    """The command line: docs/host-mode.md, "Deduplicating venvs", says why each flag."""
-    argv = [binary, "--verbose", "--respect-xattrs", "--maximize", "--method", "memcmp"]
+    """The command line: docs/host-mode.md, "Deduplicating venvs", says why each flag.
+    ``respect_xattrs`` off only where dedup compared them itself (overlayfs, dedup_overlay)."""
+    argv = [binary, "--verbose", *(["--respect-xattrs"] if respect_xattrs else [])]
+    argv += ["--maximize", "--method", "memcmp"]
     argv += ["--minimum-size", str(min_size)]
     argv += ["--ignore-time"] if ignore_time else []
     argv += ["--dry-run"] if dry_run else []

@@ -45,6 +45,9 @@ class Report:
     skipped: dict[str, int] = field(default_factory=dict)  # not linked, and why
     left_writable: dict[str, int] = field(default_factory=dict)  # --read-only: not applied, why
     failures: list[str] = field(default_factory=list)
+    #: On overlayfs: the mount, its upper directory (None: not visible here), what the layer
+    #: held before and after; saved_bytes is then what the layer gained (dedup_overlay).
+    overlay: dict[str, object] | None = None
 
     def book_before(self, before: Tree) -> None:
         """The figures of the walk before anything was linked."""
@@ -120,6 +123,8 @@ def print_report(report: Report) -> None:
         f"after {report.du_bytes_after} ({human(report.du_bytes_after)}); freed on the "
         f"filesystem {report.saved_bytes} ({human(report.saved_bytes)})"
     )
+    if report.overlay is not None:
+        _print_overlay(report)
     if report.shared_not_freed_bytes:
         print(
             f"dedup: {human(report.shared_not_freed_bytes)} merged here freed nothing: those "
@@ -151,7 +156,32 @@ def print_report(report: Report) -> None:
         print(f"dedup: FAILED: {failure}", file=sys.stderr)
     print(f"dedup: {report.seconds:.1f} s")
     if report.failures:
-        print("dedup: fix: see the FAILED lines; then run dedup again to finish", file=sys.stderr)
+        crashed = any("meets the same crash" in failure for failure in report.failures)
+        then = "report the crash" if crashed else "then run dedup again to finish"
+        print(f"dedup: fix: see the FAILED lines; {then}", file=sys.stderr)
+
+
+def _print_overlay(report: Report) -> None:
+    """On overlayfs: what the layer gained, and how that was measured."""
+    layer = report.overlay or {}
+    gained = f"{report.saved_bytes} ({human(report.saved_bytes)})"
+    if layer.get("upper"):
+        print(
+            f"dedup: overlayfs at {layer['mount_point']}: `du` above counts every layer; this "
+            f"layer ({layer['upper']}) held {layer['layer_bytes_before']}, now "
+            f"{layer['layer_bytes_after']}: freed in the layer {gained}. Files of lower layers "
+            "are left alone (linking one copies it up into this layer)"
+        )
+    else:
+        print(
+            f"dedup: overlayfs at {layer['mount_point']}: its upper directory is not visible "
+            "here (inside a container build it is the host's), so which files lie in a lower "
+            "layer, where linking one copies it up into this layer, cannot be told; `du` above "
+            "counts every layer. Measured by the free space of the file system under the layer "
+            f"(other writers there count too): it got back {gained}"
+        )
+    if report.saved_bytes <= 0 and not report.dry_run:
+        print("dedup: linking saved no space in this layer")
 
 
 def write_report(path: Path, report: Report) -> None:
