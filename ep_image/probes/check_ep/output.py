@@ -223,6 +223,8 @@ def report_unfinished(
     hint = _HINTS[failure["how"]]
     if failure["how"] == "error" and current == STEP_NAMES[0]:
         hint = _HINTS["import_error"]
+    if _supervise.OUT_OF_MEMORY in str(failure.get("signal")):
+        hint = _supervise.OUT_OF_MEMORY_HINT
     raised = failure.get("raised") or {}
     step = Step(
         current,
