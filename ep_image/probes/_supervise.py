@@ -18,12 +18,13 @@ import sys
 import sysconfig
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ep_image.probes import _memory
+from ep_image.probes import _memory, _venv_record
 from ep_image.probes._lifeline import lifeline
 from ep_image.probes._report import write_json_atomic
 
@@ -75,6 +76,7 @@ class Outcome:
             "seconds_in_step": round(self.seconds_in_step, 3),
             "where": self.where,
             "error": self.progress.get("error", ""),
+            "error_frames": self.progress.get("error_frames", []),
         }
 
 
@@ -238,7 +240,14 @@ def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         print(f"probe: unexpected {message}", file=sys.stderr)
-        progress.update(error=" ".join(message.split())[:400])
+        # Where it was raised, and what this process had taken from outside its venv: the
+        # supervisor, which never imported it, reports both.
+        frames = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+        progress.update(
+            error=" ".join(message.split())[:400],
+            error_frames=frames[-20:],
+            loaded_outside_venv=_venv_record.loaded_outside(),
+        )
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -22,6 +22,7 @@ from ep_image.probes._report import (
     write_report,
 )
 from ep_image.probes._supervise import Outcome
+from ep_image.probes.check_ep import import_failure
 from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
 from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, Selection, not_run
 
@@ -222,7 +223,7 @@ def report_unfinished(
     index = STEP_NAMES.index(current) if current in STEP_NAMES else len(done)
     hint = _HINTS[failure["how"]]
     if failure["how"] == "error" and current == STEP_NAMES[0]:
-        hint = _HINTS["import_error"]
+        hint = import_failure.hint(failure, options, own.progress) or _HINTS["import_error"]
     if _supervise.OUT_OF_MEMORY in str(failure.get("signal")):
         hint = _supervise.OUT_OF_MEMORY_HINT
     raised = failure.get("raised") or {}
@@ -256,4 +257,7 @@ def report_unfinished(
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
     ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    return finish(options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)
+    environment = import_failure.environment(own.progress, failure)
+    return finish(
+        options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks, environment=environment
+    )
