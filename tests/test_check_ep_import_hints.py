@@ -68,3 +68,18 @@ def test_a_torch_on_pythonpath_that_shadows_the_venvs_is_named(tmp_path: Path, f
     assert str(shadow / "torch") in step["hint"] and "PYTHONPATH" in step["hint"], step["hint"]
     modules = report["environment"]["loaded_outside_venv"]["modules"]
     assert any(str(init) in m for m in modules), modules
+
+
+def test_a_deep_ep_on_pythonpath_that_raises_is_not_a_missing_gpu(tmp_path: Path) -> None:
+    """A ``deep_ep`` shadowing the venv's (here the only one) raises when imported. Before:
+    "deep_ep is installed but does not load without a GPU", a skip (exit 5) on a machine
+    without one. Now an error naming the file and PYTHONPATH."""
+    site = tmp_path / "site"
+    (site / "deep_ep").mkdir(parents=True)
+    (site / "deep_ep" / "__init__.py").write_text("raise ImportError('a broken deep_ep')\n")
+    (site / "deep_ep" / "buffer.py").write_text("class Buffer: ...\n")  # DeepEP v1's layout
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(site), os.environ["PYTHONPATH"]]))
+    step = import_step(run(tmp_path, env=env))
+    assert step["status"] == "error", step
+    assert "without a GPU" not in step["detail"], step["detail"]
+    assert str(site / "deep_ep") in step["hint"] and "PYTHONPATH" in step["hint"], step["hint"]

@@ -12,38 +12,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-import sysconfig
-from pathlib import Path
 from typing import Any
 
-from ep_image import SOURCE_ROOT
 from ep_image.probes import _venv_record
 from ep_image.probes.check_ep.types import Options
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _own_roots() -> list[str]:
-    """What is not outside: the venv, the interpreter's standard library, this ep_image."""
-    paths = sysconfig.get_paths()
-    roots = {sys.prefix, paths["stdlib"], paths["platstdlib"], str(SOURCE_ROOT / "ep_image")}
-    return sorted({os.path.realpath(r) for r in roots} | {os.path.abspath(r) for r in roots})
-
-
 def outside_frames(failure: dict[str, Any]) -> list[str]:
     """The files of the failure's traceback that lie outside the venv, its interpreter's
-    standard library and this ep_image (innermost last)."""
-    roots = _own_roots()
+    standard library and ep_image (innermost last)."""
     files = [f for f in failure.get("error_frames") or [] if isinstance(f, str)]
-    found = []
-    for file in files:
-        real = os.path.realpath(file)
-        if os.path.isabs(file) and not any(_under(real, r) for r in roots) and file not in found:
-            found.append(file)
-    return found
+    return _venv_record.outside_venv(files)
 
 
 def _backend_class_file(spec: str | None) -> str | None:
@@ -58,14 +37,6 @@ def _backend_class_file(spec: str | None) -> str | None:
     except (ImportError, ValueError):  # a parent package that does not import
         return None
     return os.path.realpath(found.origin) if found and found.origin else None
-
-
-def _shadowing(path: str) -> str:
-    """How a file outside the venv got onto the import path: PYTHONPATH, or else."""
-    for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
-        if _under(os.path.realpath(path), os.path.realpath(entry)):
-            return f"through PYTHONPATH ({entry})"
-    return "from outside the venv"
 
 
 def _named_outside(failure: dict[str, Any], own_progress: dict[str, Any]) -> str | None:
@@ -94,15 +65,10 @@ def hint(failure: dict[str, Any], options: Options, own_progress: dict[str, Any]
         )
     outside = outside_frames(failure)
     named = _named_outside(failure, own_progress)
-    if outside or named:
-        first = outside[0] if outside else str(named)
-        package = Path(first).parent if Path(first).name == "__init__.py" else Path(first)
-        return (
-            f"{package} was imported {_shadowing(first)}, not from this venv ({sys.prefix}), "
-            "and raised (the error above): it shadows the venv's own; remove it from "
-            "PYTHONPATH (or run with a clean environment, e.g. env -u PYTHONPATH), then run "
-            "again"
-        )
+    if outside:  # where it was raised: the innermost such frame
+        return _venv_record.shadowing_hint(outside[-1])
+    if named:
+        return _venv_record.shadowing_hint(named, raised=False)
     return None
 
 
