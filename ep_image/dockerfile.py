@@ -25,6 +25,8 @@ _CACHE = "--mount=type=cache,target=/root/.cache/uv,id=ep-image-uv"
 _SECRETS = "--mount=type=secret,id=ca-bundle --mount=type=secret,id=gitconfig"
 # files-<EP> is a scratch stage of COPYs: its "/" is exactly the files it gathers, no OS.
 _COPY_FILES_NOTE = "# hadolint ignore=DL3067"
+#: The volume every backend's run-time kernel cache lives under (BackendSpec.jit_cache).
+JIT_CACHE_ROOT = "/var/cache/ep-jit"
 
 
 def backend_stage(spec: backends.BackendSpec) -> list[str]:
@@ -86,12 +88,8 @@ def image_stage(value: str, names: list[str]) -> list[str]:
         lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
     run = "PYTHONPATH=/opt/ep-image python3 -m ep_image.build_steps.image_stage assemble"
     start = f"ep-{names[0]}" if len(names) == 1 else "venvs-common"
-    lines += [
-        f"FROM {start} AS image-{value}",
-        "ARG EP_ACTIVE",
-        _COPY_FILES_NOTE,
-        f"COPY --from=files-{value} / /",
-    ]
+    lines += [f"FROM {start} AS image-{value}", "ARG EP_ACTIVE", *jit_cache_env(names)]
+    lines += [_COPY_FILES_NOTE, f"COPY --from=files-{value} / /"]
     if len(names) == 1:
         return [*lines, f"RUN {run} \\", f'    --in-place --active "${{EP_ACTIVE}}" {names[0]}']
     mounts = [
@@ -101,6 +99,19 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     lines.append(f"RUN {mounts[0]} \\")
     lines += [f"    {mount} \\" for mount in mounts[1:]]
     lines += [f"    {run} \\", '    --active "${EP_ACTIVE}" ' + " ".join(names)]
+    return lines
+
+
+def jit_cache_env(names: list[str]) -> list[str]:
+    """``ENV`` pointing the run-time kernel cache of each selected backend that has one into
+    JIT_CACHE_ROOT (a volume there keeps them across containers); none if none has one."""
+    caches = [backends.spec(name).jit_cache for name in names]
+    pairs = [f"{var}={JIT_CACHE_ROOT}/{sub}" for var, sub in filter(None, caches)]
+    if not pairs:
+        return []
+    lines = [f"    {pair} \\" for pair in pairs]
+    lines[0] = "ENV " + lines[0].lstrip()
+    lines[-1] = lines[-1].removesuffix(" \\")
     return lines
 
 

@@ -610,13 +610,15 @@ def test_markers_and_distributions_match_the_build_registry() -> None:
     """The probe's identity rules agree with ep_image/backends/ (one registry, two readers)."""
     registry = backends.load_registry(ROOT)
     assert tuple(registry) == _backend_detect.BACKEND_NAMES
-    markers = dict(_backend_detect.MARKERS)
+    assert backends.layout_markers(backends.MODULE) == _backend_detect.MARKERS
     for name, backend in registry.items():
-        assert backend.marker_file == f"deep_ep/{markers[name]}", name
+        module = backends.spec(name).module
+        markers = dict(backends.layout_markers(module))
+        assert backend.marker_file == f"{module.replace('.', '/')}/{markers[name]}", name
         version = backend.requirement.split("==", 1)[1] if "==" in backend.requirement else "0"
         by_dist = _backend_detect.backend_from_distribution(backend.distribution, version)
         assert by_dist in (name, None), (name, by_dist)
-        assert backend.distribution in _backend_detect.KNOWN_DISTRIBUTIONS
+        assert backend.distribution in backends.known_distributions(module)
 
 
 def test_merge_exit_codes() -> None:

@@ -1,4 +1,4 @@
-"""check_ep's precision step (issue 29): random tokens and router-like weights against an fp32
+"""check_ep's precision step: random tokens and router-like weights against an fp32
 reference, at DeepEP's bounds.
 
 Why these tests: every other check's inputs make the right answer exact in bf16, so a backend

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ep_image.probes import _venv_record
-from ep_image.probes.check_ep.types import Options
+from ep_image.probes.check_ep.types import RunOptions
 
 
 def outside_frames(failure: dict[str, Any]) -> list[str]:
@@ -52,7 +52,7 @@ def _named_outside(failure: dict[str, Any], own_progress: dict[str, Any]) -> str
     return None
 
 
-def hint(failure: dict[str, Any], options: Options, own_progress: dict[str, Any]) -> str | None:
+def hint(failure: dict[str, Any], options: RunOptions, own_progress: dict[str, Any]) -> str | None:
     """The fix for a failure in the import step when where it was raised (or what the error
     names, loaded from outside the venv) tells more than the probe's own imports failing; None
     otherwise."""
