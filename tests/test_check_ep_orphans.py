@@ -171,6 +171,14 @@ def in_cgroup(group: Path, cmd: list[str]) -> list[str]:
     return ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *cmd]
 
 
+def private_tmp(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a run whose temporary files stay under ``tmp_path``, whatever the
+    cgroup's end (a SIGKILL) leaves."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir(exist_ok=True)
+    return child_env(clean_env(TMPDIR=str(tmpdir), **extra))
+
+
 def test_a_job_that_cannot_fit_in_memory_is_refused_before_any_rank_starts(tmp_path: Path):
     """Eight ranks (sixteen Pythons with torch imported) in 2 GiB: refused as bad usage, one
     line naming what it needs, what there is and the fix (before: started, and the OOM killer
@@ -178,7 +186,7 @@ def test_a_job_that_cannot_fit_in_memory_is_refused_before_any_rank_starts(tmp_p
     with memory_cgroup(2 * GiB) as group:
         proc = subprocess.run(
             in_cgroup(group, [*PROBE, "--backend", "torch", "--nproc-per-node", "8"]),
-            env=child_env(clean_env()), cwd=tmp_path, capture_output=True, text=True,
+            env=private_tmp(tmp_path), cwd=tmp_path, capture_output=True, text=True,
             timeout=600,
         )  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -197,7 +205,7 @@ def test_a_rank_the_oom_killer_ends_is_reported_as_that(tmp_path: Path):
             in_cgroup(group, [*PROBE, "--backend-class", "broken_backends:OutOfMemoryOnRankOne",
                               "--scenarios", "none", "--nproc-per-node", "2", "--json",
                               str(report)]),
-            env=child_env(clean_env(EP_TEST_ALLOCATE_BYTES=str(4 * GiB))), cwd=tmp_path,
+            env=private_tmp(tmp_path, EP_TEST_ALLOCATE_BYTES=str(4 * GiB)), cwd=tmp_path,
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
