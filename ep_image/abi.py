@@ -186,33 +186,38 @@ def bind(
         Path(p).name.startswith("libcuda.so") for p in ld_trace.closure(extension, preload)
     ):
         result.driver = "not linked"
-    environment = {
-        **(os.environ if env is None else env),
-        "LD_TRACE_LOADED_OBJECTS": "1",
-        "LD_BIND_NOW": "1",
-        "LD_WARN": "1",
-        "LD_PRELOAD": " ".join([*result.stand_ins.values(), *preload, str(extension)]),
-    }
-    proc = subprocess.run(
-        [ld_trace.loader(), str(python)], capture_output=True, text=True, env=environment,
-        check=False,
-    )  # fmt: skip
-    output = proc.stdout + "\n" + proc.stderr
+    with ld_trace.SafeNames() as safe:
+        objects = [*result.stand_ins.values(), *preload, str(extension)]
+        environment = {
+            **(os.environ if env is None else env),
+            "LD_TRACE_LOADED_OBJECTS": "1",
+            "LD_BIND_NOW": "1",
+            "LD_WARN": "1",
+            "LD_PRELOAD": " ".join(safe.path(p) for p in objects),
+        }
+        # The interpreter the venv's python links to, as exec would find it (its $ORIGIN).
+        program = safe.path(os.path.realpath(python))
+        proc = subprocess.run(
+            [ld_trace.loader(), program], capture_output=True, text=True, env=environment,
+            check=False,
+        )  # fmt: skip
+    output = proc.stdout + "\n" + proc.stderr  # read line by line, paths mapped back after
     if proc.returncode != 0 and "undefined symbol" not in output:
         raise ld_trace.LoaderError(
-            f"the loader cannot bind {extension}: {output.strip() or proc.returncode}"
+            f"the loader cannot bind {extension}: {safe.real(output.strip()) or proc.returncode}"
         )
     seen: set[tuple[str, str]] = set()
     for line in output.splitlines():
         if match := _UNDEFINED.search(line):
-            key = (match["symbol"], match["object"])
+            needed_by = safe.real(match["object"])
+            key = (match["symbol"], needed_by)
             if key not in seen:
                 seen.add(key)
                 origin = symbol_origin(match["symbol"])
-                result.unresolved.append(Unresolved(match["symbol"], match["object"], origin))
+                result.unresolved.append(Unresolved(match["symbol"], needed_by, origin))
         elif match := _VERSION.search(line):
             result.version_errors.append(
-                f"version {match['version']} not found (required by {match['object']})"
+                f"version {match['version']} not found (required by {safe.real(match['object'])})"
             )
     names = demangle([u.symbol for u in result.unresolved])
     result.unresolved = [

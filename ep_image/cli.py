@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from ep_image.record_path import not_a_file
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -52,20 +54,33 @@ class Parser(argparse.ArgumentParser):
 
 
 def report_path(text: str) -> Path:
-    """An argparse ``type`` for a report file: its directory is made (like ``mkdir -p``) and
-    must be writable, and the path must not be a directory, so that a finished run never
-    loses its verdict to a path that was wrong from the start."""
+    """An argparse ``type`` for a report file, checked before any work and changing nothing:
+    nothing but a regular file may be at the path (a report replaces what is there: a device
+    node, as root, for every process); the directory it goes in must exist or be makeable
+    there by this user (it is made when the report is written, so a run refused before then
+    leaves none); and a missing top directory (``/out`` in ``/out/x.json``: in a container, a
+    volume that was not mounted) is refused rather than made, since the report would
+    vanish with it. So a finished run never loses its verdict to a path that was wrong."""
     path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file path")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+    if (why := not_a_file(path)) is not None:
+        raise argparse.ArgumentTypeError(f"{why}: give the path of a regular file or a new one")
+    parent = Path(os.path.abspath(path)).parent
+    existing = parent
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
         raise argparse.ArgumentTypeError(
-            f"cannot make the directory of {text} ({exc.strerror or exc}): give a path in a "
-            "directory you can write"
-        ) from None
-    if not os.access(path.parent, os.W_OK | os.X_OK) or (
+            f"cannot make the directory of {text} ({existing} is not a directory): give a path "
+            "in a directory you can write"
+        )
+    if existing != parent and existing == existing.parent:
+        top = parent.parents[-2] if len(parent.parents) > 1 else parent
+        raise argparse.ArgumentTypeError(
+            f"{top} does not exist (in a container: a volume not mounted, whose report would "
+            f"be lost with the container): create {top} or mount it, or give a path in an "
+            "existing directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK) or (
         path.exists() and not os.access(path, os.W_OK)
     ):
         raise argparse.ArgumentTypeError(

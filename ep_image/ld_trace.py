@@ -12,6 +12,7 @@ import platform
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,10 @@ _RTLDS = {
     "aarch64": "/lib/ld-linux-aarch64.so.1",
 }
 _FOUND = re.compile(r"^\s*(?P<name>\S+) => (?P<path>.+?)(?: \(0x[0-9a-f]+\))?$")
-_LOADED = re.compile(r"^\s*(?P<path>/\S+) \(0x[0-9a-f]+\)$")
+_LOADED = re.compile(r"^\s*(?P<path>/.+?) \(0x[0-9a-f]+\)$")
+#: What a path handed to the loader may not hold: LD_PRELOAD is split at spaces and colons (no
+#: escape exists), and the trace is read line by line.
+_UNSAFE = re.compile(r"[\s:]")
 
 
 class LoaderError(Exception):
@@ -53,26 +57,83 @@ def loader() -> str:
     )
 
 
+class SafeNames:
+    """Paths the loader cannot be handed as they are (a space, a colon or a newline in them:
+    any a file system allows), each reached instead through a symbolic link to its directory,
+    named ``d<N>`` in a temporary directory of this one's; what the loader prints is mapped
+    back. A link to the directory, not to the file, keeps ``$ORIGIN`` (a RUNPATH relative to
+    the object) pointing where the file is. Use it as a context manager: the links go."""
+
+    def __init__(self) -> None:
+        self.base: str | None = None
+        self.links: dict[str, str] = {}  # real directory -> its link
+
+    def __enter__(self) -> SafeNames:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.base is not None:
+            shutil.rmtree(self.base, ignore_errors=True)  # the links only, never what they name
+
+    def path(self, real: str | os.PathLike[str]) -> str:
+        """``real`` as the loader can take it."""
+        text = os.fspath(real)
+        if not _UNSAFE.search(text):
+            return text
+        directory, name = os.path.split(os.path.abspath(text))
+        if _UNSAFE.search(name):
+            raise LoaderError(
+                f"{text!r}: the dynamic loader cannot be handed a file whose own name holds a "
+                "space, a colon or a newline (LD_PRELOAD splits at them, with no escape): "
+                "rename the file"
+            )
+        if directory not in self.links:
+            if self.base is None:
+                self.base = tempfile.mkdtemp(prefix="ld-trace-", dir=_safe_tmp())
+            link = os.path.join(self.base, f"d{len(self.links)}")
+            os.symlink(directory, link)
+            self.links[directory] = link
+        return os.path.join(self.links[directory], name)
+
+    def real(self, text: str) -> str:
+        """``text`` (a path the loader printed) with a link's path put back as the real one."""
+        for directory, link in self.links.items():
+            text = text.replace(link + "/", directory + "/")
+        return text
+
+
+def _safe_tmp() -> str:
+    """A directory for SafeNames' links whose own path the loader can take."""
+    for candidate in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        if not _UNSAFE.search(candidate) and os.path.isdir(candidate):
+            return candidate
+    raise LoaderError(
+        "no temporary directory whose path holds no space, colon or newline: set TMPDIR to one"
+    )
+
+
 def trace(path: Path, preload: Sequence[str] = (), env: dict[str, str] | None = None) -> Trace:
     """Run the loader in trace mode on ``path``, with ``preload`` mapped first."""
     environment = {**(os.environ if env is None else env), "LD_TRACE_LOADED_OBJECTS": "1"}
     environment.pop("LD_PRELOAD", None)
-    if preload:
-        environment["LD_PRELOAD"] = " ".join(preload)
-    proc = subprocess.run(
-        [loader(), str(path)], capture_output=True, text=True, env=environment, check=False
-    )
+    with SafeNames() as safe:
+        if preload:
+            environment["LD_PRELOAD"] = " ".join(safe.path(p) for p in preload)
+        proc = subprocess.run(
+            [loader(), safe.path(path)], capture_output=True, text=True, env=environment,
+            check=False,
+        )  # fmt: skip
     result = Trace()
-    for line in proc.stdout.splitlines():
+    for line in proc.stdout.splitlines():  # lines first: a real path may hold a newline
         if match := _FOUND.match(line):
-            where = match["path"]
+            where = safe.real(match["path"])
             result.found.setdefault(match["name"], None if where == "not found" else where)
             if where != "not found":
                 result.loaded.append(where)
         elif match := _LOADED.match(line):
-            result.loaded.append(match["path"])
+            result.loaded.append(safe.real(match["path"]))
     if proc.returncode != 0:
-        message = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
+        message = safe.real((proc.stderr or proc.stdout).strip()) or f"exit {proc.returncode}"
         raise LoaderError(f"the loader cannot trace {path}: {message}")
     return result
 

@@ -16,6 +16,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from ep_image.record_path import RecordPathError, not_a_file
+
 # A venv's record, written by ep_image/build_steps/make_venv.py and read by the image's steps: a
 # finished backend venv, or (venvs-common) a skeleton without its backend's distribution.
 VENV_RECORD = "ep-backend.json"
@@ -91,8 +93,11 @@ def write_json(
 ) -> Path:
     """Write ``data`` as indented JSON atomically (temporary file in the same directory, then
     rename), world-readable, so a reader never sees half a record. ``fsync``: on disk before the
-    rename (a probe's report must survive the machine going down)."""
+    rename (a probe's report must survive the machine going down). RecordPathError, before
+    anything is written, when something other than a regular file is at ``path``."""
     path = Path(path)
+    if (why := not_a_file(path)) is not None:
+        raise RecordPathError(why, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -102,6 +107,8 @@ def write_json(
             if fsync:
                 fh.flush()
                 os.fsync(fh.fileno())
+        if (why := not_a_file(path)) is not None:  # put there while this one was written
+            raise RecordPathError(why, path)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,7 +20,11 @@ INSIDE_LIMIT = 10_000
 def untrusted(path: Path, *, follow: bool = False) -> str | None:
     """Why ``path`` may hold code that is not this user's or root's, or None: it must be owned
     by this user or by root and be writable by nobody else."""
-    st = os.stat(path) if follow else os.lstat(path)
+    return untrusted_stat(path, os.stat(path) if follow else os.lstat(path))
+
+
+def untrusted_stat(path: Path, st: os.stat_result) -> str | None:
+    """``untrusted`` of a file already looked at (``st``: its lstat, or fstat of it open)."""
     if stat.S_ISLNK(st.st_mode):
         return f"{path} is a symbolic link"
     if st.st_uid not in (os.geteuid(), 0):

@@ -312,3 +312,32 @@ def test_an_extension_carrying_its_own_libstdcxx_fails_naming_the_compiler(
     if static:
         problems = result.problems(None)
         assert any("-static-libstdc++" in p and "CXX=/usr/bin/g++" in p for p in problems)
+
+
+@needs_gcc
+def test_paths_with_a_space_a_colon_and_a_newline_bind(tmp_path: Path) -> None:
+    """Any directory name a file system allows: the loader's LD_PRELOAD splits at spaces and
+    colons (no escape), so before, a venv under such a prefix was reported as not finding
+    libc10.so while it imported torch fine."""
+    odd = tmp_path / "pre fix:with\nnewline"
+    lib = odd / "lib"
+    lib.mkdir(parents=True)
+    shared(lib / "libc10.so", f"{alias('now', COW_NOW)} int now(void){{return 1;}}")
+    body = f"{alias('now', COW_NOW)} int f(void){{return now();}}"
+    ext = shared(odd / "ext.so", body, f"-L{lib}", "-lc10", "-Wl,-rpath,$ORIGIN/lib")
+    result = abi.bind(ext, python(), [str(lib / "libc10.so")], env={})
+    assert result.ok and result.complete and result.unresolved == [], result
+    assert result.extension == str(ext)
+    closure = abi.ld_trace.closure(ext)
+    assert str(lib / "libc10.so") in closure, closure
+    missing = abi.bind(
+        shared(odd / "ext2.so", f"{alias('old', COW)} int g(void){{return old();}}",
+               f"-L{lib}", "-lc10", "-Wl,-rpath,$ORIGIN/lib"),
+        python(), [str(lib / "libc10.so")], env={},
+    )  # fmt: skip
+    assert [(u.symbol, u.needed_by) for u in missing.failures] == [(COW, str(odd / "ext2.so"))]
+    # An extension module that names no torch library: torch's, preloaded as import torch
+    # loads them, give it its symbols (how every torch extension binds).
+    module = shared(odd / "module.so", f"{alias('now', COW_NOW)} int h(void){{return now();}}")
+    bound = abi.bind(module, python(), [str(lib / "libc10.so")], env={})
+    assert bound.ok and bound.unresolved == [], bound

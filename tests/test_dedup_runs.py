@@ -351,11 +351,14 @@ def test_a_root_that_vanishes_mid_run_is_reported_not_a_traceback(tmp_path: Path
 def test_files_removed_by_someone_else_are_not_counted_as_linked_or_saved(
     tmp_path: Path,
 ) -> None:
-    """After hardlink linked, another process deletes a linked path and a file of its own.
+    """After hardlink linked, another process deletes a replaced path and a file of its own.
 
-    Counted: only the link that is still there (dup1), and only the copy it replaced as freed.
+    b's dup2 has a second name, so hardlink keeps it (--maximize) and replaces a's: the path
+    deleted is the replaced one. Counted (read back from the trees): only the link that is
+    still there (dup1), and only the copy it replaced as freed.
     """
     a, b = _small_trees(tmp_path)
+    os.link(b / "lib/dup2.bin", b / "dup2-second-name.bin")
     victim = b / "unique.bin"
     victim.write_bytes(os.urandom(1 << 20))
     env = wrapped_hardlink(tmp_path / "wrap", after=f"rm -f {victim} {a}/lib/dup2.bin")

@@ -712,3 +712,118 @@ def test_the_buffer_step_says_off_not_none_when_the_cache_is_off(tmp_path: Path)
     on = {"jit_cache_state": "on", "jit_cache_dir": "/c", "jit_cache_files_before": 8}
     assert jit_cache_note(on) == "; JIT cache /c on, 8 kernel(s) before"
     assert jit_cache_note({}) == ""
+
+
+# ---- a kernel swapped while it is placed; a jit directory that is not this user's -------------
+
+
+def test_a_kernel_swapped_while_it_is_placed_is_never_linked(
+    install: Install, kernels: dict[str, Path], tmp_path: Path
+):
+    """A writer (of this user) swaps a published kernel's file for another valid kernel and
+    back, over and over, while prepare() runs. Before: checked by path, then linked by path,
+    9 of 400 prepare() calls placed a kernel whose sha256 was not its record's. Now each
+    kernel is opened once, checked and linked (or copied) from that one open file."""
+    install.run(compile={K_DISPATCH: kernels[K_DISPATCH]})
+    key_dir = install.key_dir()
+    published = key_dir / f"{K_DISPATCH}.so"
+    recorded = json.loads((key_dir / f"{K_DISPATCH}.so{kernel_files.PUBLISHED}").read_text())
+    good, bad = tmp_path / "good.bin", tmp_path / "bad.bin"
+    shutil.copy(published, good)
+    bad.write_bytes(kernels[K_COMBINE].read_bytes())  # a valid kernel, not the published one
+    stop = tmp_path / "stop"
+    swapper = (
+        "import os, sys\n"
+        "target, good, bad, stop = sys.argv[1:5]\n"
+        "temp = target + '.swap'\n"
+        "while not os.path.exists(stop):\n"
+        "    for src in (bad, good):\n"
+        "        os.link(src, temp); os.rename(temp, target)\n"
+    )
+    racer = subprocess.Popen(
+        [sys.executable, "-c", swapper, str(published), str(good), str(bad), str(stop)]
+    )
+    wrong, placed = 0, 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(400):
+                cache = install.prepare()
+                try:
+                    there = cache.jit_dir / f"{K_DISPATCH}.so"
+                    if there.exists():
+                        placed += 1
+                        wrong += kernel_files.sha256(there) != recorded["sha256"]
+                finally:
+                    cache.close(publish=False)
+    finally:
+        stop.write_text("")
+        racer.wait(timeout=60)
+    assert placed > 0, "the test never placed the kernel"
+    assert wrong == 0, f"{wrong} of {placed} placed kernels were not the published one"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's directory needs root to make")
+def test_another_users_jit_directory_is_never_loaded_from(tmp_path: Path):
+    """HybridEP loads from ``<HYBRID_EP_CACHE_DIR>/.deepep/hybrid_ep/jit/proc-<pid>``. In a
+    shared (sticky) directory another user may have made that directory first, writable by
+    all, with a kernel in it; a rank that cannot remove it must not tell HybridEP to load
+    cached kernels from it (before: load_cached_kernels=True with the planted .so there)."""
+    shared = Path(tempfile.mkdtemp(prefix="hybridep-shared-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        install = make_install(shared / "install", cache=shared / "cache", jit_home=shared)
+        for path in shared.rglob("*"):
+            if path.is_dir():
+                path.chmod(0o755)
+        install.jit_root.mkdir(parents=True)
+        for directory in (shared / ".deepep", install.jit_root.parent, install.jit_root):
+            directory.chmod(0o1777)  # a shared scratch directory, sticky like /tmp
+        (shared / "cache").mkdir()
+        os.chown(shared / "cache", 65534, 65534)
+        go_r, go_w = os.pipe()
+        out_r, out_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child: a rank of user nobody
+            status = 1
+            try:
+                os.close(go_w)
+                os.close(out_r)
+                os.read(go_r, 1)
+                os.setgid(65534)
+                os.setuid(65534)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    cache = jit.prepare(install.env, arch="9.0", package_dir=install.package_dir,
+                                        at_exit=False)  # fmt: skip
+                result = {
+                    "load": cache.load_cached_kernels,
+                    "reason": cache.reason,
+                    "warnings": [str(w.message) for w in caught],
+                    "dir": str(cache.jit_dir),
+                }
+                status = 0
+            except BaseException:
+                result = {"error": traceback.format_exc()}
+            os.write(out_w, json.dumps(result).encode())
+            os._exit(status)
+        os.close(go_r)
+        os.close(out_w)
+        planted = install.jit_root / f"proc-{pid}"
+        planted.mkdir()
+        os.chown(planted, 4242, 4242)  # a third user's
+        planted.chmod(0o777)
+        (planted / f"{K_PRE}.so").write_bytes(elf_kernel(b"planted" * 100))
+        os.write(go_w, b"g")
+        os.close(go_w)
+        with os.fdopen(out_r) as fh:
+            result = json.loads(fh.read())
+        os.waitpid(pid, 0)
+        assert "error" not in result, result.get("error")
+        assert result["dir"] == str(planted)
+        assert result["load"] is False, "HybridEP would load the planted kernel"
+        assert "uid 4242" in result["reason"] or "others can write" in result["reason"], result
+        assert "HYBRID_EP_CACHE_DIR" in result["reason"], result["reason"]
+        assert len(result["warnings"]) == 1, result["warnings"]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -290,6 +290,29 @@ def test_deepep_v2_venv_from_the_lock(tmp_path: Path) -> None:
     assert leftovers(prefix) == []
 
 
+def test_a_prefix_with_a_space_a_colon_and_a_newline_builds(tmp_path: Path) -> None:
+    """Any directory name a file system allows: before, the ABI check joined the libraries into
+    LD_PRELOAD with spaces (which the loader also splits at colons) and refused a venv that
+    imports torch fine ("libc10.so is not found by the dynamic loader"). The record names the
+    venv's extensions relative to the venv, not by the temporary name it was built under."""
+    prefix = tmp_path / "pre fix:with\nnewline"
+    proc = make_venv("--backend", "deepep_v2", "--prefix", prefix)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv = prefix / "deepep_v2"
+    info = json.loads((venv / "ep-backend.json").read_text())
+    assert info["abi"] and all(entry["ok"] for entry in info["abi"]), info["abi"]
+    for entry in info["abi"]:
+        assert not os.path.isabs(entry["extension"]), entry["extension"]
+        assert ".tmp-" not in json.dumps(entry), entry
+        assert (venv / entry["extension"]).is_file(), entry["extension"]
+    imported = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+    assert leftovers(prefix) == []
+
+
 @pytest.mark.skipif(
     shutil.which("cc") is None,
     reason="the stand-in DeepEP needs a C compiler (python3 scripts/bootstrap.py --tests)",

@@ -146,3 +146,97 @@ def test_the_shell_line_carries_the_trust_choice(index: dict, venv: Path) -> Non
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert (next(venv.glob("lib/python3*/site-packages")) / "tinypkg" / "__init__.py").is_file()
+
+
+# ---- a CA bundle that is not one -----------------------------------------------------------
+
+
+def not_a_bundle(tmp_path: Path, kind: str) -> Path:
+    """What SSL_CERT_FILE (or the ca-bundle secret) names: an empty file, a directory, text."""
+    path = tmp_path / f"bundle-{kind}"
+    if kind == "empty":
+        path.write_text("")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "text":
+        path.write_text("this is not a certificate\n")
+    else:
+        path.write_text("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n"
+                        "-----END CERTIFICATE-----\n")  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("kind", ["empty", "directory", "text", "broken pem"])
+def test_bootstrap_refuses_a_bundle_that_is_not_one(tmp_path: Path, kind: str) -> None:
+    """Before: bootstrap said it used the bundle and succeeded through the system's
+    certificates (Python's ssl ignores an unreadable SSL_CERT_FILE)."""
+    bundle = not_a_bundle(tmp_path, kind)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bootstrap.py"), "--", "true"],
+        env=no_trust(SSL_CERT_FILE=str(bundle)), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2].startswith("bootstrap: error: ") and str(bundle) in lines[-2], proc.stderr
+    assert lines[-1].startswith("bootstrap: fix: ") and "SSL_CERT_FILE" in lines[-1]
+    assert "running: true" not in proc.stderr, "it went on"
+
+
+def test_make_venv_refuses_an_empty_bundle_before_any_work(tmp_path: Path) -> None:
+    """Before: make_venv ran uv, which failed with "UnknownIssuer", and ended with "each error
+    above names its fix" while no line named one."""
+    bundle = not_a_bundle(tmp_path, "empty")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_image.build_steps.make_venv", "--backend", "deepep_v2",
+         "--prefix", str(tmp_path / "venvs")],
+        env=no_trust(SSL_CERT_FILE=str(bundle)), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"make_venv: error: SSL_CERT_FILE={bundle} is empty" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("make_venv: fix: ")
+    assert "+ " not in proc.stdout, "it ran a build step first"
+    assert not (tmp_path / "venvs" / "deepep_v2").exists()
+
+
+def with_secrets(tmp_path: Path, bundle: str | None, *command: str):
+    """docker/with-secrets as a RUN of an image build runs it: with /run/secrets/ca-bundle
+    holding ``bundle`` (None: no secret mounted), in a mount namespace of its own (a tmpfs over
+    /run there), so the machine's /run is untouched."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a secret mounted at /run/secrets for one command needs root and unshare")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir(exist_ok=True)
+    setup = "mount -t tmpfs none /run && mkdir /run/secrets"
+    if bundle is not None:
+        (secrets / "ca-bundle").write_text(bundle)
+        setup += f" && cp {secrets / 'ca-bundle'} /run/secrets/ca-bundle"
+    script = f'{setup} && exec "$@"'
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         str(ROOT / "docker" / "with-secrets"), *command],
+        env=no_trust(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("content", ["", "\n", "not a certificate\n"])
+def test_with_secrets_refuses_a_ca_bundle_secret_that_is_not_one(
+    tmp_path: Path, content: str
+) -> None:
+    """Before: an empty secret was ignored without a word, text was exported as the bundle."""
+    proc = with_secrets(tmp_path, content, "sh", "-c", "echo ran")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ran" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/run/secrets/ca-bundle" in lines[0], proc.stderr
+    assert lines[0].startswith("with-secrets: error: ") and "fix:" in lines[0]
+
+
+def test_with_secrets_exports_a_bundle_and_runs_unchanged_without_one(
+    tmp_path: Path, index: dict
+) -> None:
+    pem = Path(index["bundle"]).read_text()
+    shown = with_secrets(tmp_path, pem, "sh", "-c", 'echo "$SSL_CERT_FILE"')
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == "/run/secrets/ca-bundle"
+    absent = with_secrets(tmp_path, None, "sh", "-c", 'echo "[$SSL_CERT_FILE]"')
+    assert absent.returncode == 0 and absent.stdout.strip() == "[]", absent.stderr

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _mounts as mounts
 import pytest
 from _venv_helpers import PYCACHE, ROOT, tree_differences
 
@@ -77,7 +78,7 @@ def test_target_ends_equal_and_only_differences_are_written(tmp_path: Path) -> N
     assert sorted(report.removed) == ["ep-skeleton.json", "lib/gone"]
     assert report.files_written == 5  # changed, shared.so, __init__.py, now_dir/x.py, bin/tool
     assert report.links_made == 1 and report.symlinks_written == 2
-    assert not list(dst.rglob("*.tree-sync-tmp"))
+    assert not list(dst.rglob(".tree-sync-*")), "a temporary file was left"
     # A second run finds nothing to do.
     again = tree_sync.sync_tree(src, dst)
     assert (again.files_written, again.links_made, again.removed) == (0, 0, [])
@@ -254,3 +255,106 @@ def test_command_line_help_usage_and_errors(tmp_path: Path) -> None:
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0 and "1 files" in done.stdout
     assert tree_differences(tmp_path / "dst", tmp_path / "src") == []
+
+
+# ---- one tree, two paths: bind mounts ---------------------------------------------------------
+
+
+@pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
+@pytest.mark.parametrize(
+    ("source", "target", "said"),
+    [
+        ("big/s", "m", "is inside TARGET"),  # before: emptied big/, its source included
+        ("m", "big/s/x", "is inside SOURCE"),  # before: 2,484 entries, then a RecursionError
+        ("m/s", "big", "is inside TARGET"),
+        ("m", "big", "the same directory"),
+        ("big", "m/s/new", "is inside SOURCE"),
+    ],
+)
+def test_the_same_tree_through_a_bind_mount_is_refused(
+    tmp_path: Path, source: str, target: str, said: str
+) -> None:
+    """``m`` is a bind mount of ``big``: the paths differ, the directories are the same."""
+    write(tmp_path / "big/s/keep.py", "keep\n")
+    write(tmp_path / "big/other.py", "other\n")
+    with mounts.bind(tmp_path / "big", tmp_path / "m"):
+        before = _state(tmp_path / "big")
+        proc = _run(tmp_path / source, tmp_path / target)
+        after = _state(tmp_path / "big")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert said in proc.stderr and "nothing was written" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("fix: ")
+    if source.startswith("m") != target.startswith("m"):
+        assert "by another path" in proc.stderr, "the message says how they are one tree"
+    assert after == before, "the tree was changed before the refusal"
+
+
+@pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
+@pytest.mark.parametrize("where", ["target", "source"])
+def test_a_mount_point_inside_either_tree_is_refused(tmp_path: Path, where: str) -> None:
+    """A mount inside TARGET would be emptied as "only in TARGET"; one inside SOURCE would be
+    copied as if it were the source's own: here both are bind mounts of the other tree."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write(src / "a.py", "a\n")
+    write(dst / "b.py", "b\n")
+    inner, other = (dst / "held", src) if where == "target" else (src / "held", dst)
+    with mounts.bind(other, inner):
+        before = (_state(src), _state(dst))
+        proc = _run(src, dst)
+        assert (_state(src), _state(dst)) == before, "a tree was changed before the refusal"
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "mount point" in proc.stderr and "nothing was written" in proc.stderr, proc.stderr
+    assert str(inner) in proc.stderr
+
+
+# ---- names that look like tree_sync's own -----------------------------------------------------
+
+
+def test_files_named_like_its_temporary_files_are_copied_like_any_other(tmp_path: Path) -> None:
+    """A venv may hold ``x`` and ``x.tree-sync-tmp`` side by side; both reach the target, with
+    their own bytes (before: 6 of 8 such pairs lost a file, and the run exited 0)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for i in range(8):
+        write(src / f"pkg{i % 2}/f{i}.py", f"the file {i}\n")
+        write(src / f"pkg{i % 2}/f{i}.py.tree-sync-tmp", f"its neighbour {i}, a file too\n")
+        write(dst / f"pkg{i % 2}/f{i}.py", f"last build's file {i}, longer\n")
+    proc = _run(src, dst)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert tree_differences(dst, src) == []
+    assert tree_sync.sync_tree(src, dst).files_written == 0
+
+
+def test_another_users_file_is_refused_up_front_and_no_temporary_file_is_left() -> None:
+    """As a user who is not root, a source file of another user cannot be copied with its
+    owner (chown needs root): refused before anything is written, naming the file and the fix
+    (before: 'make TARGET writable', and ``f.tree-sync-tmp`` left in the target)."""
+    as_root = os.geteuid() == 0
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    if not as_root or system_python is None:
+        pytest.skip("needs root (to own a file another user syncs) and a system python3")
+    base = Path(tempfile.mkdtemp(prefix="tree-sync-test-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        src, dst = base / "src", base / "dst"
+        _old_and_new(src, dst)
+        shutil.copytree(ROOT / "ep_image", base / "ep_image", ignore=PYCACHE)
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(base)], check=True)
+        roots = write(src / "z" / "roots.so", "root's, readable by all\n")
+        os.chown(roots, 0, 0)
+        roots.chmod(0o644)
+        before = _state(dst)
+        cli = [system_python, "-m", "ep_image.build_steps.tree_sync", str(src), str(dst)]
+        proc = subprocess.run(
+            cli, cwd=base, capture_output=True, text=True, timeout=120, user=NOBODY, group=NOBODY
+        )
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert str(roots) in proc.stderr and "uid 0" in proc.stderr, proc.stderr
+        assert "make TARGET writable" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("fix: "), proc.stderr
+        assert "root" in proc.stderr.strip().splitlines()[-1]
+        assert _state(dst) == before
+        assert not list(dst.rglob("*tree-sync*")), "a temporary file was left in the target"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -51,6 +51,7 @@ from ep_image.build_steps.te_source import (
 from ep_image.build_steps.te_wheels import TE_RECORD
 from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn
 from ep_image.project import VenvError, locked_versions, sha256_file, write_json
+from ep_image.record_path import not_a_file
 
 PROG = "build_te"
 
@@ -341,6 +342,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--dry-run needs --venv and --source")
     if args.jobs < 1 or args.threads_per_job < 1:
         parser.error("--jobs and --threads-per-job must be >= 1")
+    if (why := not_a_file(args.out / TE_RECORD)) is not None:
+        parser.error(f"--out: {why}, where the record goes: remove it or give another --out")
     return args
 
 

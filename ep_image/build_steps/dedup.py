@@ -20,19 +20,18 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ep_image import cli
+from ep_image import cli, mounts
+from ep_image.build_steps import dedup_leftovers, dedup_overlay, dedup_tree
 from ep_image.build_steps import dedup_read_only as read_only_mode
-from ep_image.build_steps import dedup_tree
 from ep_image.build_steps.dedup_hardlink import find_hardlink, hardlink_argv, run_hardlink
 from ep_image.build_steps.dedup_report import (
     Report,
     account,
-    linked_pairs,
     predict,
     print_report,
     write_report,
 )
-from ep_image.build_steps.dedup_tree import MODES_JOURNAL, DedupError
+from ep_image.build_steps.dedup_tree import JOURNALS, DedupError
 
 PROG = "dedup"
 #: Paths (relative to a root; a pattern without "/" matches the file name) never linked by
@@ -87,8 +86,35 @@ def resolve_roots(roots: Iterable[str | Path]) -> tuple[list[Path], int]:
             f"{listing}. Nothing was changed.",
             "run dedup once per filesystem, or move the trees onto one filesystem first",
         )
-    kept = [p for p in sorted(set(resolved)) if not any(q in p.parents for q in resolved)]
+    kept = _one_path_per_tree(resolved)
+    table = mounts.mounts()
+    where = {p: getattr(mounts.mount_of(p, table), "mount_point", "/") for p in kept}
+    if len(set(where.values())) > 1:
+        listing = ", ".join(f"{p} (mounted at {m})" for p, m in where.items())
+        raise DedupError(
+            "ROOTs are on different mounts of one filesystem (a bind mount is one), and "
+            f"hardlinks cannot cross mounts: {listing}. Nothing was changed.",
+            "give every ROOT by a path on one mount (the same trees without the bind mount), "
+            "or run dedup once per mount",
+        )
     return kept, devices[resolved[0]]
+
+
+def _one_path_per_tree(paths: list[Path]) -> list[Path]:
+    """``paths`` without those that name a tree another one holds or is: compared by device and
+    inode, so a bind mount (the same directory by another path) or a tree inside another
+    through one counts too. Of two paths to one directory the first in order is kept."""
+    chains = {
+        path: [(st.st_dev, st.st_ino) for st in map(os.stat, (path, *path.parents))]
+        for path in sorted(set(paths))
+    }
+    kept: list[Path] = []
+    for path, chain in chains.items():
+        if any(chains[other][0] in chain for other in kept):
+            continue  # the same tree as one kept, or inside it
+        kept = [other for other in kept if chain[0] not in chains[other][1:]]
+        kept.append(path)
+    return kept
 
 
 def is_excluded(relative: str, patterns: Iterable[str]) -> bool:
@@ -153,17 +179,37 @@ def _dedup(
     min_size: int,
 ) -> Report:
     binary, version = find_hardlink()
+    layer = dedup_overlay.layer_of(paths[0])
+    if layer is not None and layer.upper is None and read_only and not dry_run:
+        raise DedupError(
+            f"the ROOTs are on overlayfs (a container layer, mounted at {layer.mount_point}) "
+            "whose upper directory is not visible here: --read-only changes the mode of every "
+            "shared file, and changing one that lies in a lower layer copies it whole into this "
+            "layer. Nothing was changed.",
+            "run without --read-only (in an image, built and run as root, write bits protect "
+            "nothing: docs/host-mode.md), or where the layer's upper directory is visible",
+        )
     report = Report(
         roots=[str(p) for p in paths], device=device, dry_run=dry_run, read_only=read_only
     )
     report.tool = version
     regexes = [dedup_tree.glob_to_regex(p) for p in excludes]
-    regexes += [dedup_tree.literal_regex(str(p / MODES_JOURNAL)) for p in paths]
+    regexes += [
+        dedup_tree.literal_regex(str(p / (name + tmp)))
+        for p in paths
+        for name in JOURNALS
+        for tmp in ("", ".tmp")
+    ]
     exclude = re.compile("|".join(regexes))
     skipped: Counter[str] = Counter()
 
-    # A killed --read-only run's journals first: the walk below must see the modes as they were.
+    # A killed run's records first: the walk below must see the modes as they were, and not
+    # the temporary links its hardlink left.
     read_only_mode.restore_journals(paths, report, dry_run=dry_run)
+    killed = dedup_leftovers.read(paths, report)
+    dedup_leftovers.clean(paths, killed, report, dry_run=dry_run)
+    if not dry_run:
+        dedup_leftovers.drop(list(killed))
     before = dedup_tree.scan(
         paths,
         device,
@@ -174,6 +220,9 @@ def _dedup(
         keep_paths=read_only,
         index_paths=True,
     )
+    left = dedup_overlay.leave_alone(before, layer, paths) if layer is not None else None
+    if left is not None:
+        skipped.update(left.counts)
     clear = read_only_mode.to_clear(before) if read_only else {}
     apart = read_only_mode.keep_apart(before, clear) if read_only else []
     if dry_run:
@@ -186,42 +235,51 @@ def _dedup(
     if clear:
         read_only_mode.write_journals(before, clear, paths)
 
-    for temp in before.stale_temps:
-        if dry_run:
-            skipped["stale temporary links (removed on a real run)"] += 1
-        else:
-            try:
-                os.unlink(temp)
-            except OSError as exc:
-                report.failures.append(f"{temp}: cannot remove this leftover link: {exc}")
-            else:
-                report.stale_temps_removed += 1
+    record = dedup_leftovers.RunRecord.of(before, device)
+    if not dry_run:
+        dedup_leftovers.write(paths, record)
     report.book_before(before)
 
     # The passes: one with --ignore-time; under the bytecode rule, .py files apart, by mtime.
     base = regexes + [dedup_tree.literal_regex(d) for d in before.other_filesystems]
-    base += apart_regexes
+    base += apart_regexes + (left.regexes if left is not None else [])
     passes = [(True, base)]
     if before.timestamp_pyc:
         passes = [(True, [*base, _PY]), (False, [*base, _NOT_PY])]
     changed = read_only_mode.clear_write_bits(before, clear, report)
+    layer_before = dedup_overlay.measure(layer, paths) if layer is not None else 0
     pairs: list[tuple[str, str]] = []
+    stopped = False
     for ignore_time, regex_list in passes:
         argv = hardlink_argv(
-            binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run, min_size=min_size
-        )
+            binary, paths, regex_list, ignore_time=ignore_time, dry_run=dry_run,
+            min_size=min_size, respect_xattrs=layer is None,
+        )  # fmt: skip
         run = run_hardlink(argv)
         report.commands.append(argv)
         report.failures += run.failures
         pairs += run.pairs
+        stopped = stopped or run.returncode != 0
 
     if dry_run:
         after = predict(before, pairs)
+        report.files_linked = len(pairs)
+        replaced = {before.index[r] for _, r in pairs if r in before.index}
     else:
-        pairs = list(linked_pairs(pairs, before))
-        after = dedup_tree.scan(paths, device, exclude, min_size, Counter(), keep_paths=read_only)
-    report.files_linked = len(pairs)
-    replaced = {before.index[r] for _, r in pairs if r in before.index}
+        if stopped:  # killed between a temporary link and its rename: that link is left
+            dedup_leftovers.clean(paths, dict.fromkeys(paths, record), report, dry_run=False)
+        after = dedup_tree.scan(
+            paths, device, exclude, min_size, Counter(), keep_paths=read_only, index_paths=True
+        )
+        # Read back, not taken from hardlink's records: a killed hardlink's are lost in its
+        # output buffer. A path linked now holds another inode the walk before found.
+        moved = {
+            path: old
+            for path, old in before.index.items()
+            if (new := after.index.get(path)) not in (None, old) and new in before.files
+        }
+        report.files_linked = len(moved)
+        replaced = set(moved.values())
     for root in sorted(set(before.vanished_roots + after.vanished_roots)):
         report.failures.append(
             f"{root}: this ROOT vanished while dedup ran (removed or renamed by another "
@@ -229,9 +287,18 @@ def _dedup(
             "that exist"
         )
     account(before, after, replaced, report)
+    if layer is not None:
+        layer_after = dedup_overlay.measure(layer, paths) if not dry_run else layer_before
+        layer.figures = {"layer_bytes_before": layer_before, "layer_bytes_after": layer_after}
+        if not dry_run:  # what the layer gained, not what `du` of the merged view says
+            report.saved_bytes = layer_before - layer_after
+            report.shared_not_freed_bytes = 0
+        report.overlay = layer.to_json()
     if read_only and not dry_run:
         read_only_mode.settle_modes(after, changed, report)
         read_only_mode.drop_journals(paths)
+    if not dry_run:
+        dedup_leftovers.drop(paths)
     for reason, count in skipped.items():
         report.skipped[reason] = report.skipped.get(reason, 0) + count
     report.seconds = round(time.monotonic() - started, 3)

@@ -58,6 +58,7 @@ class ToolRun:
     argv: list[str]
     pairs: list[tuple[str, str]]  # (kept path, replaced path), in the order hardlink linked
     failures: list[str]
+    returncode: int = 0
 
 
 def hardlink_argv(
@@ -68,9 +69,12 @@ def hardlink_argv(
     ignore_time: bool,
     dry_run: bool,
     min_size: int,
+    respect_xattrs: bool = True,
 ) -> list[str]:
-    """The command line: docs/host-mode.md, "Deduplicating venvs", says why each flag."""
-    argv = [binary, "--verbose", "--respect-xattrs", "--maximize", "--method", "memcmp"]
+    """The command line: docs/host-mode.md, "Deduplicating venvs", says why each flag.
+    ``respect_xattrs`` off only where dedup compared them itself (overlayfs, dedup_overlay)."""
+    argv = [binary, "--verbose", *(["--respect-xattrs"] if respect_xattrs else [])]
+    argv += ["--maximize", "--method", "memcmp"]
     argv += ["--minimum-size", str(min_size)]
     argv += ["--ignore-time"] if ignore_time else []
     argv += ["--dry-run"] if dry_run else []
@@ -93,16 +97,23 @@ def run_hardlink(argv: list[str]) -> ToolRun:
         failures = [line.rstrip("\n") for line in errors if line.strip()]
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
-        failures.append(
-            f"hardlink was killed by {name}: files it had not reached are left as they were; "
-            "every path still holds a complete file; run dedup again to finish"
-        )
+        if -proc.returncode in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL):
+            failures.append(
+                f"hardlink crashed ({name}; its own message is above): files it had not reached "
+                "are left as they were and every path still holds a complete file, but running "
+                "dedup again meets the same crash: report it with the lines above"
+            )
+        else:
+            failures.append(
+                f"hardlink was killed by {name}: files it had not reached are left as they "
+                "were; every path still holds a complete file; run dedup again to finish"
+            )
     elif proc.returncode != 0:
         failures.append(
             f"hardlink stopped early with exit code {proc.returncode} (see the lines above): "
             "files it had not reached are left as they were; run dedup again to finish"
         )
-    return ToolRun(argv=argv, pairs=pairs, failures=failures)
+    return ToolRun(argv=argv, pairs=pairs, failures=failures, returncode=proc.returncode)
 
 
 def parse_link_records(lines: Iterable[str]) -> list[tuple[str, str]]:

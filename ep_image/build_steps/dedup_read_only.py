@@ -9,13 +9,12 @@ killed one cleared. docs/host-mode.md, "Hardlinked venvs and installers".
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import stat
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ep_image import cli
@@ -29,15 +28,44 @@ EXCLUDE_REGEX_LIMIT = 1 << 20
 _HEAD = 4096
 
 
-def _chmod(path: str, mode: int, report: Report) -> bool:
+def _chmod(
+    path: str,
+    mode: int,
+    report: Report,
+    wanted: Callable[[os.stat_result], bool] = lambda st: True,
+    *,
+    fd: int | None = None,
+) -> bool:
+    """Give the regular file at ``path`` (or the one ``fd`` holds) ``mode``, if ``wanted`` says
+    so of it; True when done. The file is opened once without following a symbolic link, and
+    checked and changed through that descriptor: a path swapped for a link (or anything else)
+    after dedup looked at it is left alone, never followed."""
+    own = fd is None
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # gone meanwhile: the walk after the run counts it as vanished
+        except OSError as exc:
+            report.failures.append(f"{path}: cannot change its mode: {exc}")
+            return False
     try:
-        os.chmod(path, mode, follow_symlinks=False)
-    except FileNotFoundError:
-        return False  # gone meanwhile: the walk after the run counts it as vanished
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not wanted(st):
+            return False  # replaced meanwhile: not the file dedup looked at
+        os.chmod(f"/proc/self/fd/{fd}", mode)  # the inode the descriptor holds, not a path
     except OSError as exc:
         report.failures.append(f"{path}: cannot change its mode: {exc}")
         return False
+    finally:
+        if own:
+            os.close(fd)
     return True
+
+
+def _is(key: tuple[int, int]) -> Callable[[os.stat_result], bool]:
+    """Whether a file is the inode ``key`` (device, inode) the walk booked."""
+    return lambda st: (st.st_dev, st.st_ino) == key
 
 
 def to_clear(tree: Tree) -> dict[tuple[int, int], int]:
@@ -58,7 +86,7 @@ def clear_write_bits(
     return {
         key: mode
         for key, mode in clear.items()
-        if _chmod(tree.files[key].path, mode & ~WRITE_BITS, report)
+        if _chmod(tree.files[key].path, mode & ~WRITE_BITS, report, _is(key))
     }
 
 
@@ -88,19 +116,11 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
             "modes": modes,
         }
         journal = root / MODES_JOURNAL
-        temp = root / (MODES_JOURNAL + ".tmp")
         try:
-            temp.unlink(missing_ok=True)
-            # Owner-only and new (O_EXCL): a journal is trusted only when nobody else could
-            # have written it (restore_journals).
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with open(fd, "w", encoding="utf-8") as handle:
-                json.dump(record, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, journal)
+            # Owner-only and new: a journal is trusted only when nobody else could have written
+            # it (restore_journals).
+            dedup_tree.write_own_journal(journal, record)
         except OSError as exc:
-            temp.unlink(missing_ok=True)
             raise DedupError(
                 f"cannot write {journal}, where --read-only records the modes it clears so "
                 f"that a killed run can be undone ({exc}). Nothing was changed.",
@@ -113,41 +133,11 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
             ) from None
 
 
-def _read_journal(journal: Path) -> tuple[str | None, str]:
-    """Why a journal may not be acted on (or None), and its text.
-
-    It is opened once, without following a symbolic link, and checked and read through that one
-    descriptor: a journal swapped for a link between a check by path and a read by path would
-    get another file's entries read.
-    """
-    try:
-        fd = os.open(journal, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
-            return "it is a symbolic link", ""
-        raise
-    with open(fd, encoding="utf-8") as handle:
-        why = _untrusted(os.fstat(fd))
-        return why, "" if why else handle.read()
-
-
-def _untrusted(st: os.stat_result) -> str | None:
-    """Why an open journal may not be acted on, or None: it must be a regular file of the user
-    running dedup that nobody else can write (dedup writes it so), since giving back write
-    bits as it says, run as root, would otherwise let anyone who can write a ROOT make any
-    file on the system writable."""
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-    if st.st_mode & 0o022:
-        return f"others can write it (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-def _entry_path(root: Path, relative: object, dev: object) -> str | None:
-    """The path a journal entry names, if it is one dedup could have written: relative, in
-    normal form, inside ``root`` through no symbolic link, on ``root``'s file system."""
+def _open_entry(root: Path, relative: object, dev: object) -> int | None:
+    """An O_PATH descriptor of the file a journal entry names, if it is one dedup could have
+    written: relative, in normal form, on ``root``'s file system, and reached from ``root``
+    one component at a time through no symbolic link (so it cannot lead out of the ROOT, even
+    if a directory on the way is swapped meanwhile). None otherwise, or when it is gone."""
     if not isinstance(relative, str) or not isinstance(dev, int):
         return None
     parts = Path(relative).parts
@@ -156,31 +146,39 @@ def _entry_path(root: Path, relative: object, dev: object) -> str | None:
         or os.path.isabs(relative)
         or ".." in parts
         or os.path.normpath(relative) != relative
+        or os.lstat(root).st_dev != dev
     ):
         return None
-    parent = os.path.join(root, *parts[:-1])
-    real_root = os.path.realpath(root)
-    if os.path.realpath(parent) != os.path.join(real_root, *parts[:-1]).rstrip("/"):
-        return None  # a symbolic link on the way: it may lead out of the ROOT
-    if os.lstat(root).st_dev != dev:
-        return None
-    return os.path.join(root, relative)
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(root, flags | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            below = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        found = os.open(parts[-1], flags, dir_fd=fd)
+    except OSError:
+        return None  # a symbolic link on the way (ELOOP, ENOTDIR) or gone
+    finally:
+        os.close(fd)
+    return found
 
 
 def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) -> None:
     """Give back the modes a killed --read-only run cleared (its journals), then drop them.
 
-    A journal is acted on only when this user wrote it and nobody else can (``_read_journal``),
-    and a mode is given back only where its entry names a file under that ROOT (no ``..``, no
-    symbolic link on the way) that is still the inode the journal names and still has the mode
-    the run left (its write bits cleared, nothing else changed since).
+    A journal is acted on only when this user wrote it and nobody else can
+    (``dedup_tree.read_own_journal``), and a mode is given back only where its entry names a
+    file under that ROOT (no ``..``, no symbolic link on the way) that is still the inode the
+    journal names and still has the mode the run left (its write bits cleared, nothing else
+    changed since), checked and changed through one descriptor of it.
     """
     for root in roots:
         journal = root / MODES_JOURNAL
         if not dry_run:  # a run killed while writing its journal had cleared nothing yet
             (root / (MODES_JOURNAL + ".tmp")).unlink(missing_ok=True)
         try:
-            why, text = _read_journal(journal)
+            why, text = dedup_tree.read_own_journal(journal)
             if why is not None:
                 report.failures.append(
                     f"{journal}: refused, {why}: dedup writes its journal owner-only, so this "
@@ -201,17 +199,25 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
         for entry in modes:
             try:
                 relative, dev, ino, mode = entry
-                path = _entry_path(root, relative, dev)
-                if path is None or not isinstance(mode, int) or mode & ~0o7777:
+                if not isinstance(mode, int) or mode & ~0o7777:
                     refused += 1
                     continue
-                st = os.lstat(path)
+                fd = _open_entry(root, relative, dev)
             except (OSError, TypeError, ValueError):
                 continue
-            same = (st.st_dev, st.st_ino) == (dev, ino) and stat.S_ISREG(st.st_mode)
-            as_left = stat.S_IMODE(st.st_mode) == mode & ~WRITE_BITS != mode
-            if same and as_left and (dry_run or _chmod(path, mode, report)):
-                report.modes_restored += 1
+            if fd is None:
+                refused += _named_outside(root, relative)
+                continue
+            as_left = _left_by_a_run(dev, ino, mode)
+            try:
+                if dry_run:
+                    st = os.fstat(fd)
+                    done = stat.S_ISREG(st.st_mode) and as_left(st)
+                else:
+                    done = _chmod(os.path.join(root, str(relative)), mode, report, as_left, fd=fd)
+            finally:
+                os.close(fd)
+            report.modes_restored += done
         if refused:
             report.failures.append(
                 f"{journal}: {refused} entries name no file dedup could have recorded (outside "
@@ -219,6 +225,37 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
             )
         if not dry_run:
             journal.unlink(missing_ok=True)
+
+
+def _left_by_a_run(dev: object, ino: object, mode: int) -> Callable[[os.stat_result], bool]:
+    """Whether a file is still the inode a journal entry names, with the mode the run left:
+    write bits cleared, nothing else changed since."""
+
+    def as_left(st: os.stat_result) -> bool:
+        same = (st.st_dev, st.st_ino) == (dev, ino)
+        return same and stat.S_IMODE(st.st_mode) == mode & ~WRITE_BITS != mode
+
+    return as_left
+
+
+def _named_outside(root: Path, relative: object) -> int:
+    """1 when an entry names a path dedup could not have recorded (not merely a file that is
+    gone since): ``..``, absolute, not in normal form, or through a symbolic link."""
+    if not isinstance(relative, str):
+        return 1
+    parts = Path(relative).parts
+    if not parts or os.path.isabs(relative) or ".." in parts:
+        return 1
+    if os.path.normpath(relative) != relative:
+        return 1
+    path = root
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            return 1
+        if not os.path.lexists(path):
+            return 0
+    return 0
 
 
 def drop_journals(roots: Sequence[Path]) -> None:
@@ -291,11 +328,11 @@ def settle_modes(tree: Tree, changed: dict[tuple[int, int], int], report: Report
             report.left_writable[reason] = report.left_writable.get(reason, 0) + inode.here
         if inode.here < 2 or not inode.candidate:
             if key in changed:
-                _chmod(inode.path, changed[key], report)
+                _chmod(inode.path, changed[key], report, _is(key))
         elif inode.linked_outside:
             continue
         elif inode.mode & WRITE_BITS:
-            if _chmod(inode.path, inode.mode & ~WRITE_BITS, report):
+            if _chmod(inode.path, inode.mode & ~WRITE_BITS, report, _is(key)):
                 report.files_made_read_only += inode.here
         elif key in changed:
             report.files_made_read_only += inode.here

@@ -8,15 +8,13 @@ the trees (a real run) or predicted from hardlink's records (``--dry-run``), so 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ep_image.build_steps.dedup_tree import Tree
+from ep_image.project import write_json
 
 
 @dataclass
@@ -47,6 +45,9 @@ class Report:
     skipped: dict[str, int] = field(default_factory=dict)  # not linked, and why
     left_writable: dict[str, int] = field(default_factory=dict)  # --read-only: not applied, why
     failures: list[str] = field(default_factory=list)
+    #: On overlayfs: the mount, its upper directory (None: not visible here), what the layer
+    #: held before and after; saved_bytes is then what the layer gained (dedup_overlay).
+    overlay: dict[str, object] | None = None
 
     def book_before(self, before: Tree) -> None:
         """The figures of the walk before anything was linked."""
@@ -58,18 +59,6 @@ class Report:
 
 
 # --------------------------------------------------------------------------- figures
-
-
-def linked_pairs(pairs: Iterable[tuple[str, str]], before: Tree) -> Iterator[tuple[str, str]]:
-    """The pairs whose replaced path now holds the kept path's inode, another than before."""
-    for kept, replaced in pairs:
-        try:
-            k, r = os.lstat(kept), os.lstat(replaced)
-        except OSError:
-            continue
-        now = (r.st_dev, r.st_ino)
-        if (k.st_dev, k.st_ino) == now and before.index.get(replaced) != now:
-            yield kept, replaced
 
 
 def predict(before: Tree, pairs: Iterable[tuple[str, str]]) -> Tree:
@@ -134,6 +123,8 @@ def print_report(report: Report) -> None:
         f"after {report.du_bytes_after} ({human(report.du_bytes_after)}); freed on the "
         f"filesystem {report.saved_bytes} ({human(report.saved_bytes)})"
     )
+    if report.overlay is not None:
+        _print_overlay(report)
     if report.shared_not_freed_bytes:
         print(
             f"dedup: {human(report.shared_not_freed_bytes)} merged here freed nothing: those "
@@ -153,7 +144,10 @@ def print_report(report: Report) -> None:
             "--read-only run had cleared"
         )
     if report.stale_temps_removed:
-        print(f"dedup: removed {report.stale_temps_removed} temporary links of a killed run")
+        print(
+            f"dedup: removed {report.stale_temps_removed} temporary links a killed hardlink "
+            "left (recorded by dedup as its run's)"
+        )
     for reason, count in sorted(report.skipped.items()):
         print(f"dedup: not linked: {reason}: {count}")
     for reason, count in sorted(report.left_writable.items()):
@@ -162,17 +156,34 @@ def print_report(report: Report) -> None:
         print(f"dedup: FAILED: {failure}", file=sys.stderr)
     print(f"dedup: {report.seconds:.1f} s")
     if report.failures:
-        print("dedup: fix: see the FAILED lines; then run dedup again to finish", file=sys.stderr)
+        crashed = any("meets the same crash" in failure for failure in report.failures)
+        then = "report the crash" if crashed else "then run dedup again to finish"
+        print(f"dedup: fix: see the FAILED lines; {then}", file=sys.stderr)
+
+
+def _print_overlay(report: Report) -> None:
+    """On overlayfs: what the layer gained, and how that was measured."""
+    layer = report.overlay or {}
+    gained = f"{report.saved_bytes} ({human(report.saved_bytes)})"
+    if layer.get("upper"):
+        print(
+            f"dedup: overlayfs at {layer['mount_point']}: `du` above counts every layer; this "
+            f"layer ({layer['upper']}) held {layer['layer_bytes_before']}, now "
+            f"{layer['layer_bytes_after']}: freed in the layer {gained}. Files of lower layers "
+            "are left alone (linking one copies it up into this layer)"
+        )
+    else:
+        print(
+            f"dedup: overlayfs at {layer['mount_point']}: its upper directory is not visible "
+            "here (inside a container build it is the host's), so which files lie in a lower "
+            "layer, where linking one copies it up into this layer, cannot be told; `du` above "
+            "counts every layer. Measured by the free space of the file system under the layer "
+            f"(other writers there count too): it got back {gained}"
+        )
+    if report.saved_bytes <= 0 and not report.dry_run:
+        print("dedup: linking saved no space in this layer")
 
 
 def write_report(path: Path, report: Report) -> None:
-    """The JSON report, atomically: a temporary file beside it, renamed over it."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(asdict(report), indent=2) + "\n")
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    """The JSON report, atomically (project.write_json: never over anything but a file)."""
+    write_json(path, asdict(report), sort_keys=False)

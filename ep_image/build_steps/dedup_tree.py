@@ -9,6 +9,7 @@ tree, and the refusal. See docs/host-mode.md, section "Deduplicating venvs".
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -19,18 +20,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import cli
+from ep_image import cli, mounts
 
 #: util-linux hardlink links the kept file to "<duplicate>.hardlink-temporary", then renames it
-#: over the duplicate (misc-utils/hardlink.c, file_link(), 2.38 to 2.41).
+#: over the duplicate (misc-utils/hardlink.c, file_link(), 2.38 to 2.41). A file of that name is
+#: a user's like any other unless dedup's record of a run says hardlink made it
+#: (dedup_leftovers).
 TEMP_SUFFIX = ".hardlink-temporary"
-#: The temporary names of the dedup.py before it used hardlink (a crash could leave one).
-LEGACY_TEMP = re.compile(r"^\.dedup-tmp-[0-9a-f]+-[0-9]+$")
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 #: dedup --read-only writes the modes it is about to clear here, in each ROOT, before it
 #: clears them, and removes the file when the run is done: a run killed in between leaves it,
 #: and the next run gives those modes back. Never linked, never counted.
 MODES_JOURNAL = ".dedup-read-only-modes.json"
+#: dedup writes its record of a run here, in each ROOT, before hardlink runs, and removes it
+#: when the run ends: a run killed in between leaves it, and the next run removes the temporary
+#: links hardlink left, and only those (dedup_leftovers). Never linked, never counted.
+RUN_JOURNAL = ".dedup-run.json"
+#: Every file dedup keeps in a ROOT while it runs (and a ".tmp" of each while it writes one).
+JOURNALS = (MODES_JOURNAL, RUN_JOURNAL)
 _ERE_SPECIAL = frozenset("\\.^$|?*+()[]{}")
 #: dedup's exit code when it refuses before changing anything.
 EXIT_REFUSED = 2
@@ -73,7 +80,8 @@ class Tree:
     files_scanned: int = 0
     other_filesystems: list[str] = field(default_factory=list)
     timestamp_pyc: str | None = None  # first timestamp-validated .pyc seen, if looked for
-    stale_temps: list[str] = field(default_factory=list)
+    #: path -> (device, inode, links) of every regular file named like hardlink's temporary
+    temp_like: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     vanished_roots: list[str] = field(default_factory=list)  # gone before the walk reached them
     #: path -> inode of every file hardlink may link (only when the scan was asked to index)
     index: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -85,6 +93,51 @@ class Tree:
     def du_bytes(self) -> int:
         """What `du -sxcB1 ROOT...` prints as its total: blocks of every inode, once."""
         return self.other_blocks + sum(inode.blocks for inode in self.files.values())
+
+
+def read_own_journal(journal: Path) -> tuple[str | None, str]:
+    """Why a journal of dedup's may not be acted on (or None), and its text.
+
+    It is opened once, without following a symbolic link, and checked and read through that one
+    descriptor (a journal swapped for a link between a check by path and a read by path would
+    get another file's entries read): it must be a regular file of the user running dedup that
+    nobody else can write, as dedup writes it. Acting on one anyone could write (run as root,
+    say) would let them have modes given back or files removed where they choose.
+    FileNotFoundError when there is none.
+    """
+    try:
+        fd = os.open(journal, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            return "it is a symbolic link", ""
+        raise
+    with open(fd, encoding="utf-8") as handle:
+        st = os.fstat(fd)
+        why = None
+        if not stat.S_ISREG(st.st_mode):
+            why = "it is not a regular file"
+        elif st.st_uid != os.geteuid():
+            why = f"it belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+        elif st.st_mode & 0o022:
+            why = f"others can write it (mode {stat.S_IMODE(st.st_mode):04o})"
+        return why, "" if why else handle.read()
+
+
+def write_own_journal(journal: Path, record: dict[str, object]) -> None:
+    """``journal`` on disk, owner-only and whole (a new temporary file, fsync, rename), as
+    read_own_journal trusts it; OSError as it comes."""
+    temp = journal.with_name(journal.name + ".tmp")
+    try:
+        temp.unlink(missing_ok=True)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(fd, "w", encoding="utf-8") as handle:
+            json.dump(record, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, journal)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def glob_to_regex(pattern: str) -> str:
@@ -185,13 +238,17 @@ def scan(
     in ``vanished_roots``. dedup's journal of modes (MODES_JOURNAL) in a root is skipped.
     """
     tree = Tree()
+    table = mounts.mounts()
     for root in roots:
         try:
             tree.other_blocks += os.lstat(root).st_blocks * 512
         except FileNotFoundError:
             tree.vanished_roots.append(str(root))
             continue
-        journals = {os.path.join(root, MODES_JOURNAL), os.path.join(root, MODES_JOURNAL + ".tmp")}
+        journals = {os.path.join(root, n + t) for n in JOURNALS for t in ("", ".tmp")}
+        # Mount points inside a ROOT hold another tree (a bind mount of the same file system
+        # has the same device): hardlink cannot link across them, like ``find -xdev``.
+        mounted = set(mounts.inside(root, table))
         stack = [str(root)]
         while stack:
             directory = stack.pop()
@@ -214,6 +271,8 @@ def scan(
                 if stat.S_ISREG(st.st_mode):
                     if entry.path in journals:
                         continue
+                    if entry.name.endswith(TEMP_SUFFIX):
+                        tree.temp_like[entry.path] = (st.st_dev, st.st_ino, st.st_nlink)
                     booked = _book_file(
                         tree, entry.path, st, exclude, min_size, skipped, keep_paths
                     )
@@ -228,7 +287,7 @@ def scan(
                     ):
                         tree.timestamp_pyc = entry.path
                     continue
-                if stat.S_ISDIR(st.st_mode) and st.st_dev != device:
+                if stat.S_ISDIR(st.st_mode) and (st.st_dev != device or entry.path in mounted):
                     tree.other_filesystems.append(entry.path)
                     skipped["directories on another filesystem (not descended)"] += 1
                     continue
@@ -242,14 +301,6 @@ def scan(
     return tree
 
 
-def _leftover_temp(path: str) -> bool:
-    """A temporary link a killed run left: hardlink's ``X.hardlink-temporary`` beside ``X``."""
-    name = os.path.basename(path)
-    if name.endswith(TEMP_SUFFIX):
-        return os.path.lexists(path[: -len(TEMP_SUFFIX)])
-    return LEGACY_TEMP.match(name) is not None
-
-
 def _book_file(
     tree: Tree,
     path: str,
@@ -260,9 +311,6 @@ def _book_file(
     keep_path: bool,
 ) -> bool:
     """Book one regular file; True if hardlink may link this path (not excluded, not small)."""
-    if st.st_nlink >= 2 and _leftover_temp(path):
-        tree.stale_temps.append(path)
-        return False
     tree.files_scanned += 1
     if exclude is not None and exclude.search(path):
         skipped["excluded (rewritten in place by tools)"] += 1

@@ -24,6 +24,7 @@ from ep_image.build_steps import dedup, stage_cudnn, tree_sync
 from ep_image.project import SKELETON_RECORD as SKELETON_FILE
 from ep_image.project import VENV_RECORD as INFO_FILE
 from ep_image.project import write_json
+from ep_image.record_path import not_a_file
 from ep_image.tools import USE_EP
 
 PROG = "image_stage"
@@ -78,7 +79,7 @@ def assemble(names: list[str], mounts: Path, prefix: Path, in_place: bool = Fals
     subprocess.run(cmd, env=child_env(), check=True)
     te_record = SOURCE_ROOT / "te" / "te-build.json"  # the te stage's, via assemble-files
     if te_record.is_file():
-        shutil.copy(te_record, prefix / "te-build.json")
+        write_json(prefix / "te-build.json", json.loads(te_record.read_text()))
     return venvs
 
 
@@ -170,9 +171,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: What ``assemble`` writes beside the venvs (dedup's report included).
+RECORDS = ("image.json", "te-build.json", "dedup.json")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.step == "assemble":
+            for name in RECORDS:
+                if (why := not_a_file(args.prefix / name)) is not None:
+                    raise StageError(f"{why}, where this step writes a record: remove it")
             assemble(args.backends, args.mounts, args.prefix, args.in_place)
             print("image_stage: " + json.dumps(finish(args.prefix, args.active)))
         else:

@@ -54,6 +54,7 @@ from ep_image.build_steps.venv_checks import (
     verify_backend,
 )
 from ep_image.build_steps.venv_record import (
+    SKELETONS_RECORD,
     build_info,
     installed_distributions,
     print_summary,
@@ -62,6 +63,7 @@ from ep_image.build_steps.venv_record import (
     write_skeletons_record,
 )
 from ep_image.project import SKELETON_RECORD, VenvError, write_json
+from ep_image.record_path import not_a_file
 
 EXIT_BUILD_FAILED = 1
 
@@ -236,6 +238,15 @@ def check_inputs(opts: Options) -> None:
             raise BuildError(
                 f"{opts.project / name} not found: --project must be the directory that holds "
                 "pyproject.toml and the committed uv.lock"
+            )
+    records = [opts.prefix / SKELETONS_RECORD] if opts.mode is Mode.SKELETON else []
+    if opts.mode is Mode.COMPLETE:
+        records = [record_path(opts.prefix / name) for name in opts.backends]
+    for record in records:
+        if (why := not_a_file(record)) is not None:
+            raise BuildError(
+                f"{why}, where this build writes its record: remove it (a record is a regular "
+                "file make_venv writes) and run again"
             )
     for wheel in opts.te_wheels:
         if not wheel.is_file():

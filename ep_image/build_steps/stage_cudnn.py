@@ -18,6 +18,7 @@ from pathlib import Path
 from ep_image import cli
 from ep_image.build_steps.te_wheels import TE_RECORD
 from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
+from ep_image.project import write_json
 
 LDCONF = Path("/etc/ld.so.conf.d/000-ep-venv-cudnn.conf")
 SONAME = "libcudnn.so.9"
@@ -115,7 +116,7 @@ def record(prefix: Path, runtime: dict[str, object]) -> None:
             "rebuild the te stage from the same uv.lock",
         )
     data["cudnn_runtime"] = runtime
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_json(path, data)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -10,16 +10,19 @@ bytes (the mtime is rsync's quick check, which reads no bytes). See docs/image.m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import filecmp
 import os
 import shutil
 import stat
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import cli
+from ep_image import cli, mounts
 
 #: At most this many problems of the source are listed (then how many more).
 _LISTED = 20
@@ -66,18 +69,31 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _write_file(src_path: str, dst_path: str, src: os.stat_result) -> None:
-    """Copy through ``<dst>.tree-sync-tmp`` and rename: ``dst_path`` is never half-written."""
-    temp = f"{dst_path}.tree-sync-tmp"
-    if os.path.lexists(temp):
-        _remove(temp)
-    shutil.copyfile(src_path, temp, follow_symlinks=False)
-    os.chown(temp, src.st_uid, src.st_gid)
-    os.chmod(temp, stat.S_IMODE(src.st_mode))
-    os.utime(temp, ns=(src.st_atime_ns, src.st_mtime_ns))
-    if os.path.isdir(dst_path) and not os.path.islink(dst_path):
-        shutil.rmtree(dst_path)
-    os.replace(temp, dst_path)
+def _write_file(src_path: str, dst_path: str, src: os.stat_result, taken: set[str]) -> None:
+    """Copy to a new temporary file beside ``dst_path`` and rename it over ``dst_path``, so
+    ``dst_path`` is never half-written. The temporary name is made here (O_EXCL) and is none of
+    ``taken`` (the source directory's names), so it is never a file of the source or the
+    target; it is removed if anything fails. One a killed run left is not in the source, so
+    the next run removes it like any entry only in the target."""
+    directory = os.path.dirname(dst_path)
+    while True:
+        fd, temp = tempfile.mkstemp(prefix=".tree-sync-", dir=directory)
+        os.close(fd)
+        if os.path.basename(temp) not in taken:
+            break
+        os.unlink(temp)
+    try:
+        shutil.copyfile(src_path, temp, follow_symlinks=False)
+        os.chown(temp, src.st_uid, src.st_gid)
+        os.chmod(temp, stat.S_IMODE(src.st_mode))
+        os.utime(temp, ns=(src.st_atime_ns, src.st_mtime_ns))
+        if os.path.isdir(dst_path) and not os.path.islink(dst_path):
+            shutil.rmtree(dst_path)
+        os.replace(temp, dst_path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
 
 
 def check_source(source: Path) -> None:
@@ -86,6 +102,10 @@ def check_source(source: Path) -> None:
     Runs before anything is written, so a bad source leaves the target as it was.
     """
     problems: list[str] = []
+    # A copy keeps its file's owner and group, which only root may give to another user's.
+    owners: list[str] = []
+    root = os.geteuid() == 0
+    groups = {os.getegid(), *os.getgroups()}
 
     def unlistable(exc: OSError) -> None:
         problems.append(f"{exc.filename}: cannot list this directory ({exc.strerror})")
@@ -108,6 +128,19 @@ def check_source(source: Path) -> None:
                 os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
             except OSError as exc:
                 problems.append(f"{path}: cannot read this file ({exc.strerror})")
+                continue
+            if not root and (st.st_uid != os.geteuid() or st.st_gid not in groups):
+                owners.append(f"{path}: belongs to uid {st.st_uid}, gid {st.st_gid}")
+    if not problems and owners:
+        listed = owners[:_LISTED] + (
+            [f"... and {len(owners) - _LISTED} more"] if len(owners) > _LISTED else []
+        )
+        raise SyncError(
+            f"{source} holds files of other users, and a copy keeps its owner and group, "
+            f"which only root may give (this is uid {os.geteuid()}); nothing was written:\n  "
+            + "\n  ".join(listed)
+            + "\nfix: run tree_sync as root, or as the user who owns SOURCE"
+        )
     if problems:
         listed = problems[:_LISTED]
         if len(problems) > _LISTED:
@@ -120,26 +153,63 @@ def check_source(source: Path) -> None:
         )
 
 
+def _identities(path: Path) -> list[tuple[int, int]]:
+    """The (device, inode) of ``path`` (or, if it does not exist, of the nearest directory
+    above it that does) and of every directory above that, up to ``/``: which directories
+    these are, whatever path names them."""
+    real = Path(os.path.realpath(path))
+    while not os.path.lexists(real) and real != real.parent:
+        real = real.parent
+    return [(st.st_dev, st.st_ino) for st in map(os.stat, (real, *real.parents))]
+
+
+def _nested_as_paths(source: Path, target: Path) -> bool:
+    """Whether the resolved paths alone show the two trees to be one or nested."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    return src == dst or src.startswith(dst.rstrip("/") + "/") or dst.startswith(src + "/")
+
+
 def check_nesting(source: Path, target: Path) -> None:
     """SyncError unless the two trees are apart: a TARGET that holds SOURCE would delete it
     (everything in TARGET that SOURCE lacks goes), a TARGET inside SOURCE would be copied into
-    itself without end. Checked on the resolved paths, before anything is written."""
-    src, dst = os.path.realpath(source), os.path.realpath(target)
-    if src == dst:
+    itself without end, and a mount inside either would carry the sync into another tree.
+
+    Directories are compared by device and inode, not by path: a bind mount reaches the same
+    directory by another path. Checked before anything is written.
+    """
+    src_chain = _identities(source)
+    dst_chain = _identities(target)
+    src_id = src_chain[0]
+    dst_id = dst_chain[0] if os.path.lexists(target) else None
+    how = "" if _nested_as_paths(source, target) else " (the same directory by another path)"
+    if dst_id == src_id:
         raise SyncError(
-            f"{source} and {target} are the same directory; nothing was written\n"
+            f"{source} and {target} are the same directory{how}; nothing was written\n"
             "fix: give two trees"
         )
-    if src.startswith(dst.rstrip("/") + "/"):
+    if dst_id is not None and dst_id in src_chain[1:]:
         raise SyncError(
-            f"SOURCE {source} is inside TARGET {target}: making TARGET equal to SOURCE would "
-            "delete SOURCE; nothing was written\nfix: give a TARGET outside SOURCE's tree"
+            f"SOURCE {source} is inside TARGET {target}{how}: making TARGET equal to SOURCE "
+            "would delete SOURCE; nothing was written\nfix: give a TARGET outside SOURCE's tree"
         )
-    if dst.startswith(src.rstrip("/") + "/"):
+    if src_id in dst_chain:
         raise SyncError(
-            f"TARGET {target} is inside SOURCE {source}: it would be copied into itself; "
+            f"TARGET {target} is inside SOURCE {source}{how}: it would be copied into itself; "
             "nothing was written\nfix: give a TARGET outside SOURCE"
         )
+    table = mounts.mounts()
+    for role, tree in (("SOURCE", source), ("TARGET", target)):
+        if not os.path.lexists(tree):
+            continue
+        inner = mounts.inside(tree, table)
+        if inner:
+            raise SyncError(
+                f"{role} {tree} holds the mount point {inner[0]}"
+                + (f" (and {len(inner) - 1} more)" if len(inner) > 1 else "")
+                + ": another tree is mounted inside it, which the sync would "
+                + ("copy as its own" if role == "SOURCE" else "empty as not in SOURCE")
+                + "; nothing was written\nfix: unmount it, or give trees without mounts inside"
+            )
 
 
 def sync_tree(source: Path, target: Path) -> SyncReport:
@@ -183,7 +253,7 @@ def sync_tree(source: Path, target: Path) -> SyncReport:
             if stat.S_ISLNK(src.st_mode):
                 _sync_symlink(src_path, dst_path, report)
             elif stat.S_ISREG(src.st_mode):
-                _sync_file(src_path, dst_path, src, written, report)
+                _sync_file(src_path, dst_path, src, written, report, wanted)
             else:
                 raise SyncError(f"{src_path}: not a file, directory or symlink")
     return report
@@ -206,6 +276,7 @@ def _sync_file(
     src: os.stat_result,
     written: dict[tuple[int, int], str],
     report: SyncReport,
+    taken: set[str],
 ) -> None:
     key = (src.st_dev, src.st_ino)
     try:
@@ -225,7 +296,7 @@ def _sync_file(
     if dst is not None and _same_file(src, dst, src_path, dst_path):
         report.unchanged += 1
         return
-    _write_file(src_path, dst_path, src)
+    _write_file(src_path, dst_path, src, taken)
     if src.st_nlink > 1:
         written[key] = dst_path
     report.files_written += 1
@@ -243,7 +314,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "files are written to a temporary name and renamed into place, so a file "
             "hardlinked elsewhere keeps its content there. The source is checked first: a "
             "FIFO, socket, device, unreadable file or unlistable directory in it refuses the "
-            "sync before anything is written. rsync -a --delete, without needing rsync; the "
+            "sync before anything is written, as do trees that are one or nested (compared "
+            "by device and inode, so a bind mount counts), a mount point inside either tree, "
+            "and, for a user who is not root, other users' files (a copy keeps its owner). "
+            "rsync -a --delete, without needing rsync; the "
             "image's multi-backend stage uses it (python3 -m ep_image.build_steps.image_stage)."
         ),
         epilog=(
@@ -265,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except OSError as exc:
         print(f"tree_sync: failed: {exc}", file=sys.stderr)
-        fix = cli.os_error_fix(exc, args.target, "make TARGET writable by this user")
+        fix = cli.os_error_fix(exc, args.target, _access_fix(exc))
         print(
             f"tree_sync: fix: {fix}, then run it again (files are replaced whole, but the "
             "target may be partly updated)",
@@ -274,6 +348,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"tree_sync: {args.source} -> {args.target}: {report.summary()}")
     return 0
+
+
+def _access_fix(exc: OSError) -> str:
+    """The fix for a system error that is not a full or read-only disk: name the path."""
+    where = exc.filename or "TARGET"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"give this user access to {where}, or run tree_sync as root (it keeps every "
+            "file's owner, which only root may give to another user's file)"
+        )
+    return f"check {where} (the error above names it)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

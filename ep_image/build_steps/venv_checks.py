@@ -5,6 +5,7 @@ Why: a venv that installs cleanly but fails at import on every GPU node is refus
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -99,4 +100,21 @@ def check_abi(venv: Path, distributions: list[str], strict: bool) -> list[dict[s
         print(f"make_venv: ABI {state}: {ext} binds to this venv's libraries{detail}", flush=True)
     if problems:
         raise BuildError("\n  - ".join(["the venv would not import:", *problems]))
-    return [r.to_json() for r in results]
+    # Paths inside the venv relative to it: it is built under a temporary name and renamed.
+    return [_relative_to(r.to_json(), venv) for r in results]
+
+
+def _relative_to(data: dict[str, object], venv: Path) -> dict[str, object]:
+    """``data`` with every path inside ``venv`` given relative to it."""
+
+    def rel(path: object) -> object:
+        if isinstance(path, str) and path.startswith(f"{venv}/"):
+            return os.path.relpath(path, venv)
+        return path
+
+    data["extension"] = rel(data["extension"])
+    unresolved = data.get("unresolved")
+    if isinstance(unresolved, list):
+        for entry in unresolved:
+            entry["needed_by"] = rel(entry["needed_by"])
+    return data

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 
 from ep_image import abi
 from ep_image import backends as registry
-from ep_image.probes import _facts
+from ep_image.probes import _facts, _venv_record
 from ep_image.probes._report import Status, one_line
 
 MODULE = registry.MODULE
@@ -289,6 +290,10 @@ def undefined_symbol(output: str) -> str | None:
     return rest[0].rstrip(",;)") if rest else None
 
 
+#: A file a Python traceback names: ``  File "/path/x.py", line 3, in <module>``.
+_TRACEBACK_FILE = re.compile(r'^\s*File "([^"]+)", line \d+', re.M)
+
+
 def classify_import_failure(
     backend: str, output: str, returncode: int, gpu_visible: bool, module: str = MODULE
 ) -> tuple[Status, str, str]:
@@ -349,6 +354,13 @@ def classify_import_failure(
             f"import {module} failed: {last}",
             "the compiled extension is missing: the backend build failed or targets another "
             f"Python; reinstall it ({INSTALL_HINTS.get(backend, 'reinstall the backend')})",
+        )
+    outside = _venv_record.outside_venv(_TRACEBACK_FILE.findall(text))
+    if outside:  # code from outside the venv raised: not the backend's build, not the GPU
+        return (
+            Status.ERROR,
+            f"import {module} failed in {outside[-1]}: {last}",
+            _venv_record.shadowing_hint(outside[-1]),
         )
     if not gpu_visible:
         return (

@@ -12,16 +12,20 @@ import ctypes
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import sysconfig
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ep_image.probes import _memory, _venv_record
+from ep_image.probes._lifeline import lifeline
 from ep_image.probes._report import write_json_atomic
 
 #: Set in the child, so nested calls (and tests) can tell they already run supervised.
@@ -73,6 +77,7 @@ class Outcome:
             "seconds_in_step": round(self.seconds_in_step, 3),
             "where": self.where,
             "error": self.progress.get("error", ""),
+            "error_frames": self.progress.get("error_frames", []),
             "call": self.progress.get("call"),
             "stall": self.progress.get("stall"),
         }
@@ -157,33 +162,78 @@ def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outco
     watch = watch or Watch()
     if not hasattr(os, "fork") or os.environ.get(CHILD_ENV):
         return Outcome("finished", work())
+    # A launched rank ends with what started it (_lifeline): its backend's process group and
+    # this directory go with it.
+    lifeline.start()
     tmp = Path(tempfile.mkdtemp(prefix="ep-probe-"))
+    lifeline.own_path(tmp)
     crumb, fault_path = tmp / "progress.json", tmp / "fault.log"
     sys.stdout.flush()
     sys.stderr.flush()
+    oom_before = _memory.oom_kills()
     pid = os.fork()
     if pid == 0:  # the child: do the work, never return into the caller
         _child(work, crumb, fault_path)
+    with contextlib.suppress(OSError):  # the child does it too: whichever runs first
+        os.setpgid(pid, pid)
+    lifeline.own_group(pid)
 
     terminated: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
     try:
         how, status, seconds, state = _watch_child(pid, crumb, watch, terminated)
+    except BaseException:  # Ctrl-C, or the supervisor's own failure: the backend goes too
+        _kill_group(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        lifeline.release_group(pid)
+        shutil.rmtree(tmp, ignore_errors=True)
+        lifeline.release_path(tmp)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+    _kill_group(pid)  # anything the backend process started and left running
+    lifeline.release_group(pid)
     if how == "ended":  # the child's last words, written after the last poll
         state = _read_json(crumb)
     outcome = _outcome(how, status, state, _read_text(fault_path), seconds)
+    if outcome.signal_name == "SIGKILL" and _killed_for_memory(oom_before):
+        outcome.signal_name = f"SIGKILL ({OUT_OF_MEMORY})"
     for path in (crumb, fault_path, tmp / STOP_MARKER):
         path.unlink(missing_ok=True)
     if not any(tmp.iterdir()):
         tmp.rmdir()
+    lifeline.release_path(tmp)
     return outcome
+
+
+#: How a backend process the kernel's OOM killer ended is named (with SIGKILL).
+OUT_OF_MEMORY = "the kernel's out-of-memory killer"
+#: The fix for it, in place of a crash's.
+OUT_OF_MEMORY_HINT = (
+    "the machine (or this job's memory cgroup) ran out of memory: run fewer ranks "
+    "(--nproc-per-node) or a smaller shape (--tokens, --hidden), or run where more memory is "
+    "free; the kernel log (dmesg) names what it ended"
+)
+
+
+def _killed_for_memory(before: int | None) -> bool:
+    """Whether the kernel's OOM killer ended a process since ``before`` (its count then)."""
+    after = _memory.oom_kills()
+    return before is not None and after is not None and after > before
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the backend process's group (it and whatever it started), if any is left."""
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
     code = 3
     try:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)  # a group of its own: stopped whole, whatever it starts
         _die_with_parent()
         os.environ[CHILD_ENV] = "1"
         progress.path = crumb
@@ -197,7 +247,14 @@ def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         print(f"probe: unexpected {message}", file=sys.stderr)
-        progress.update(error=" ".join(message.split())[:400])
+        # Where it was raised, and what this process had taken from outside its venv: the
+        # supervisor, which never imported it, reports both.
+        frames = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+        progress.update(
+            error=" ".join(message.split())[:400],
+            error_frames=frames[-20:],
+            loaded_outside_venv=_venv_record.loaded_outside(),
+        )
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -255,6 +312,7 @@ def _stop(pid: int, crumb: Path, dump: bool) -> int:
             time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+    _kill_group(pid)
     return os.waitpid(pid, 0)[1]
 
 

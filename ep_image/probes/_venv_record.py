@@ -138,6 +138,44 @@ def loaded_outside(prefix: str | None = None, allowed: tuple[str, ...] = ()) -> 
     return {"shared_objects": objects, "modules": sorted(modules)}
 
 
+def _own_roots() -> list[str]:
+    """What is not outside: the venv, the interpreter's standard library, ep_image."""
+    paths = sysconfig.get_paths()
+    roots = {sys.prefix, paths["stdlib"], paths["platstdlib"], str(SOURCE_ROOT / "ep_image")}
+    return sorted({os.path.realpath(r) for r in roots} | {os.path.abspath(r) for r in roots})
+
+
+def outside_venv(files: list[str]) -> list[str]:
+    """Those of ``files`` (a traceback's, in its order) that lie outside the venv, its
+    interpreter's standard library and ep_image: code that came from elsewhere."""
+    roots = _own_roots()
+    found: list[str] = []
+    for file in files:
+        real = os.path.realpath(file)
+        if os.path.isabs(file) and not _under(real, roots) and file not in found:
+            found.append(file)
+    return found
+
+
+def came_through(path: str) -> str:
+    """How a file outside the venv got onto the import path: a PYTHONPATH entry, or else."""
+    for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+        if _under(os.path.realpath(path), [os.path.realpath(entry)]):
+            return f"through PYTHONPATH ({entry})"
+    return "from outside the venv"
+
+
+def shadowing_hint(path: str, raised: bool = True) -> str:
+    """The fix for code imported from outside the venv that shadows the venv's own."""
+    package = Path(path).parent if Path(path).name == "__init__.py" else Path(path)
+    said = "and raised (the error above)" if raised else "instead of the venv's"
+    return (
+        f"{package} was imported {came_through(path)}, not from this venv ({sys.prefix}), "
+        f"{said}: it shadows the venv's own; remove it from PYTHONPATH (or run with a clean "
+        "environment, e.g. env -u PYTHONPATH), then run again"
+    )
+
+
 def environment_facts(prefix: str | None = None) -> dict[str, Any]:
     """The venv, its record, and what was loaded from outside it: one block for every report."""
     facts = venv_record(prefix)

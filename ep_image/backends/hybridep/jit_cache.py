@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import threading
 import time
 import warnings
@@ -38,7 +39,9 @@ from ep_image.backends.hybridep.kernel_files import (
     place,
     published_sha,
     sha256,
+    sha256_fd,
     valid_kernel,
+    valid_kernel_fd,
     write_record,
 )
 from ep_image.backends.hybridep.proc_dirs import (
@@ -49,7 +52,7 @@ from ep_image.backends.hybridep.proc_dirs import (
     read_marker,
     remove_tree,
 )
-from ep_image.trust import untrusted, untrusted_cache
+from ep_image.trust import untrusted, untrusted_cache, untrusted_stat
 
 CACHE_ENV = "EP_HYBRIDEP_JIT_CACHE"
 DEFAULT_CACHE = "/var/cache/ep-jit/hybrid_ep"
@@ -124,26 +127,15 @@ class JitCache:
         for entry in cached:
             if entry.name in have:
                 continue
-            src = Path(entry.path)
             recorded = published_sha(self.key_dir, entry.name)
-            if recorded is None or untrusted(src) is not None:
+            if recorded is None:
                 foreign += 1  # not published by this cache: never loaded
                 continue
-            if not valid_kernel(src) or sha256(src) != recorded:
-                # Published whole, and now not what was published: damaged. Drop it so the
-                # next publisher can replace it.
-                with contextlib.suppress(OSError):
-                    os.unlink(src)
-                _warn(f"removed a damaged kernel from the cache: {src}")
-                continue
-            try:
-                os.link(src, self.jit_dir / entry.name)  # same filesystem: no copy
+            outcome = self._place_published(Path(entry.path), entry.name, recorded)
+            if outcome == "placed":
                 placed.append(entry.name)
-            except FileExistsError:
-                continue
-            except OSError:
-                if place(src, self.jit_dir, entry.name, durable=False):
-                    placed.append(entry.name)
+            elif outcome == "foreign":
+                foreign += 1
         self.warm_started.extend(placed)
         self.ignored = foreign
         if foreign:
@@ -152,6 +144,47 @@ class JitCache:
                 "record of their sha256, or not this user's or root's): not loaded"
             )
         return placed
+
+    def _place_published(self, src: Path, name: str, recorded: str) -> str:
+        """Link (else copy) the cached kernel ``src`` into this process's directory if it is
+        whole, trusted and the bytes its record names: "placed", "foreign" (not this user's or
+        root's, or not a regular file), "damaged" or "skipped" (gone, or there already).
+
+        The file is opened once and checked, hashed and linked (or copied) through that one
+        descriptor: checked by path and then linked by path, a file swapped in between would
+        be placed unchecked.
+        """
+        assert self.key_dir is not None
+        try:
+            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return "skipped"  # gone meanwhile, or a symbolic link (ELOOP): never followed
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or untrusted_stat(src, st) is not None:
+                return "foreign"
+            if not valid_kernel_fd(fd) or sha256_fd(fd) != recorded:
+                # Published whole, and now not what was published: damaged. Drop it (if the
+                # name still holds that file) so the next publisher can replace it.
+                with contextlib.suppress(OSError):
+                    if os.lstat(src).st_ino == st.st_ino:
+                        os.unlink(src)
+                _warn(f"removed a damaged kernel from the cache: {src}")
+                return "damaged"
+            target = self.jit_dir / name
+            try:
+                # The open file itself, through /proc: same filesystem, no copy.
+                os.link(f"/proc/self/fd/{fd}", target, follow_symlinks=True)
+                return "placed"
+            except FileExistsError:
+                return "skipped"
+            except OSError:
+                # No hard link (another filesystem, a protected link, or the file was
+                # replaced and is gone from the cache): copy the bytes that were checked.
+                return "placed" if place(fd, self.jit_dir, name, durable=False,
+                                         expect=recorded) else "skipped"  # fmt: skip
+        finally:
+            os.close(fd)
 
     def publish(self) -> list[str]:
         """Copy the kernels this process compiled into the shared cache; return their names.
@@ -321,6 +354,18 @@ def _prepare(
     if read_marker(directory) != mine and directory.exists():
         remove_tree(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # HybridEP loads from this directory: it must be this user's (or root's) and nobody else's
+    # to write, and hold nothing left there by someone else (a directory another user made
+    # first, in a shared HYBRID_EP_CACHE_DIR, cannot be removed here).
+    why = untrusted_cache(directory)
+    left = sorted(set(os.listdir(directory)) - {MARKER}) if why is None else []
+    if why is None and left:
+        why = f"{directory} still holds {left[0]} (and {len(left) - 1} more), not this process's"
+    if why is not None:
+        raise CacheOff(
+            f"HybridEP's own jit directory is not safe to load kernels from: {why}. Fix: set "
+            "HYBRID_EP_CACHE_DIR to a directory only you (or root) can write"
+        )
     (directory / MARKER).write_text(json.dumps(mine) + "\n")
     cache.owns_dir = True
     cache.stale_removed = clean_stale(directory.parent)

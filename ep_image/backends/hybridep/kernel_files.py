@@ -41,19 +41,26 @@ def valid_kernel(path: Path) -> bool:
     table lie inside the file, so a truncated copy is refused before dlopen sees it."""
     try:
         with path.open("rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            head = fh.read(64)
-            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-                return False
-            (e_type,) = struct.unpack_from("<H", head, 16)
-            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
-            if e_type != _ET_DYN or phnum == 0 or phentsize < 56:
-                return False
-            if phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
-                return False
-            fh.seek(phoff)
-            table = fh.read(phnum * phentsize)
+            return valid_kernel_fd(fh.fileno())
+    except OSError:
+        return False
+
+
+def valid_kernel_fd(fd: int) -> bool:
+    """``valid_kernel`` of the file open at ``fd`` (read with pread: its offset is untouched)."""
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 64, 0)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return False
+        (e_type,) = struct.unpack_from("<H", head, 16)
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        if e_type != _ET_DYN or phnum == 0 or phentsize < 56:
+            return False
+        if phoff + phnum * phentsize > size or shoff + shnum * shentsize > size:
+            return False
+        table = os.pread(fd, phnum * phentsize, phoff)
         for i in range(phnum):
             p_type, _flags, p_offset, _vaddr, _paddr, p_filesz = struct.unpack_from(
                 "<IIQQQQ", table, i * phentsize
@@ -73,6 +80,15 @@ PUBLISHED = ".published"
 def sha256(path: Path) -> str:
     with path.open("rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def sha256_fd(fd: int) -> str:
+    """The sha256 of the file open at ``fd``, read from its start with pread."""
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
 
 
 def published_sha(directory: Path, name: str) -> str | None:
@@ -107,7 +123,16 @@ def kernels(directory: Path) -> Iterator[os.DirEntry[str]]:
             yield entry
 
 
-def _copy_bytes(src: Path, fd: int) -> None:
+def _copy_bytes(src: Path | int, fd: int) -> None:
+    """Copy ``src`` (a path, or a file open at that descriptor: read with pread) into ``fd``."""
+    if isinstance(src, int):
+        offset = 0
+        while chunk := os.pread(src, _CHUNK, offset):
+            offset += len(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+        return
     with src.open("rb") as fh:
         while chunk := fh.read(_CHUNK):
             view = memoryview(chunk)
@@ -121,11 +146,20 @@ def _temp_name(name: str) -> str:
     return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
-def place(src: Path, directory: Path, name: str, *, durable: bool, record: bool = False) -> bool:
-    """Put a copy of ``src`` at ``directory/name`` so that nobody ever sees it half written:
-    a temporary file in the same directory, checked, then linked (or renamed) into place;
-    ``record``: then its published record (its sha256). False when ``name`` was there already
-    (another rank won) or the copy was not complete."""
+def place(
+    src: Path | int,
+    directory: Path,
+    name: str,
+    *,
+    durable: bool,
+    record: bool = False,
+    expect: str | None = None,
+) -> bool:
+    """Put a copy of ``src`` (a path, or a file open at that descriptor) at ``directory/name``
+    so that nobody ever sees it half written: a temporary file in the same directory, checked,
+    then linked (or renamed) into place; ``record``: then its published record (its sha256);
+    ``expect``: only when the copy's sha256 is that. False when ``name`` was there already
+    (another rank won) or the copy was not complete, or not what was expected."""
     tmp = directory / _temp_name(name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -137,7 +171,9 @@ def place(src: Path, directory: Path, name: str, *, durable: bool, record: bool 
             os.close(fd)
         if not valid_kernel(tmp):
             return False
-        digest = sha256(tmp) if record else ""
+        digest = sha256(tmp) if record or expect else ""
+        if expect is not None and digest != expect:
+            return False
         try:
             os.link(tmp, directory / name)
         except FileExistsError:

@@ -23,6 +23,7 @@ from ep_image.probes._report import (
     write_report,
 )
 from ep_image.probes._supervise import Outcome
+from ep_image.probes.check_ep import import_failure
 from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
 from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, not_run
 
@@ -254,7 +255,9 @@ def report_unfinished(
     index = names.index(current) if current in names else len(done)
     hint = _HINTS[failure["how"]]
     if failure["how"] == "error" and current == names[0]:
-        hint = _HINTS["import_error"]
+        hint = import_failure.hint(failure, options, own.progress) or _HINTS["import_error"]
+    if _supervise.OUT_OF_MEMORY in str(failure.get("signal")):
+        hint = _supervise.OUT_OF_MEMORY_HINT
     raised = failure.get("raised") or {}
     # A stall after the backend returned wrong data on the ranks that finished is a failed
     # check (exit 1); one where nothing was wrong yet, a hang (3).
@@ -290,4 +293,7 @@ def report_unfinished(
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
     ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    return finish(kind, options, env, sel, steps, meta, code, rank_outcomes=ranks)
+    environment = import_failure.environment(own.progress, failure)
+    return finish(
+        kind, options, env, sel, steps, meta, code, rank_outcomes=ranks, environment=environment
+    )

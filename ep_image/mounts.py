@@ -1,0 +1,115 @@
+"""The mounts this process sees (``/proc/self/mountinfo``): which mount holds a path, which mount
+points lie inside a tree, and an overlay's layers.
+
+Why: a path string does not say which tree it is. A bind mount makes one directory reachable by
+two paths, a mount inside a tree makes another tree part of it, and a container layer
+(overlayfs) holds only what was written in it while ``du`` of the merged view counts every
+layer. tree_sync and dedup ask here before they write. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+MOUNTINFO = "/proc/self/mountinfo"
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of mountinfo: where it is mounted, what, and with which options."""
+
+    mount_point: str
+    fstype: str
+    device: tuple[int, int]  # st_dev's major:minor of the mounted file system
+    root: str  # the directory of that file system mounted here ("/" unless a bind mount)
+    super_options: str
+
+    def option(self, name: str) -> str | None:
+        """A per-superblock option's value (``upperdir`` of an overlay), unescaped."""
+        for item in _split_options(self.super_options):
+            key, _, value = item.partition("=")
+            if key == name:
+                return value
+        return None
+
+
+def _unescape(text: str) -> str:
+    """mountinfo writes space, tab, newline and backslash in a path as octal escapes."""
+    return _OCTAL.sub(lambda m: chr(int(m[1], 8)), text)
+
+
+def _split_options(text: str) -> list[str]:
+    """Comma-separated options; overlayfs escapes a comma inside a path with a backslash."""
+    items, current, escaped = [], "", False
+    for char in text:
+        if escaped:
+            current, escaped = current + char, False
+        elif char == "\\":
+            escaped = True
+        elif char == ",":
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    return items
+
+
+def parse(text: str) -> list[Mount]:
+    """The mounts of a mountinfo text, in its order (later mounts cover earlier ones)."""
+    found = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        major, _, minor = fields[2].partition(":")
+        found.append(
+            Mount(
+                mount_point=_unescape(fields[4]),
+                fstype=tail[0],
+                device=(int(major), int(minor)),
+                root=_unescape(fields[3]),
+                super_options=_unescape(tail[2]),
+            )
+        )
+    return found
+
+
+def mounts() -> list[Mount]:
+    """The mounts this process sees; none where mountinfo cannot be read (not Linux)."""
+    try:
+        return parse(Path(MOUNTINFO).read_text(errors="surrogateescape"))
+    except OSError:
+        return []
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def mount_of(path: str | os.PathLike[str], table: list[Mount] | None = None) -> Mount | None:
+    """The mount that holds ``path`` (resolved): the last one mounted over its longest prefix."""
+    real = os.path.realpath(path)
+    best: Mount | None = None
+    for mount in mounts() if table is None else table:
+        if _under(real, mount.mount_point) and (
+            best is None or len(mount.mount_point) >= len(best.mount_point)
+        ):
+            best = mount
+    return best
+
+
+def inside(path: str | os.PathLike[str], table: list[Mount] | None = None) -> list[str]:
+    """Mount points strictly inside the tree at ``path`` (resolved): other trees in it."""
+    real = os.path.realpath(path)
+    found = {
+        m.mount_point
+        for m in (mounts() if table is None else table)
+        if m.mount_point != real and _under(m.mount_point, real)
+    }
+    return sorted(found)
