@@ -36,6 +36,8 @@ POLL_SECONDS = 0.1
 
 #: A file the parent creates beside the breadcrumbs before it stops the child.
 STOP_MARKER = "stopping"
+#: The backend call the child is in, beside the breadcrumbs (``Progress.mark_call``).
+CALL_FILE = "call"
 
 
 @dataclass
@@ -124,6 +126,17 @@ class Progress:
             # before every backend call of the scenarios).
             write_json_atomic(self.path, self.state, fsync=False)
 
+    def mark_call(self, call: str | None) -> None:
+        """The backend call this process is in now (None: none), in a file of its own beside
+        the breadcrumb: written before and after every call into the backend, so it costs a
+        few bytes, not the whole breadcrumb."""
+        if self.path is None:
+            return
+        target = self.path.parent / CALL_FILE
+        tmp = target.with_name(f".{CALL_FILE}.tmp")
+        tmp.write_text(call or "")
+        os.replace(tmp, target)
+
 
 #: The current process's breadcrumb (set in the supervised child).
 progress = Progress(None)
@@ -195,11 +208,11 @@ def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outco
     _kill_group(pid)  # anything the backend process started and left running
     lifeline.release_group(pid)
     if how == "ended":  # the child's last words, written after the last poll
-        state = _read_json(crumb)
+        state = _read_state(crumb)
     outcome = _outcome(how, status, state, _read_text(fault_path), seconds)
     if outcome.signal_name == "SIGKILL" and _killed_for_memory(oom_before):
         outcome.signal_name = f"SIGKILL ({OUT_OF_MEMORY})"
-    for path in (crumb, fault_path, tmp / STOP_MARKER):
+    for path in (crumb, fault_path, tmp / STOP_MARKER, tmp / CALL_FILE, tmp / f".{CALL_FILE}.tmp"):
         path.unlink(missing_ok=True)
     if not any(tmp.iterdir()):
         tmp.rmdir()
@@ -274,7 +287,7 @@ def _watch_child(
     next_stall_check = time.monotonic() + watch.stall_every
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
-        state = _read_json(crumb)
+        state = _read_state(crumb)
         in_step = _seconds_in_step(state)
         if done:
             return "ended", status, in_step, state
@@ -335,6 +348,14 @@ def _outcome(how: str, status: int, state: dict[str, Any], fault: str, seconds: 
         how = "error" if state.get("error") else "exit"
         return Outcome(how, 3, state, fault, exit_status=code, seconds_in_step=seconds)
     return Outcome("finished", code, state, fault)
+
+
+def _read_state(crumb: Path) -> dict[str, Any]:
+    """The child's breadcrumb, with the backend call it is in (``call``, None between calls)."""
+    state = _read_json(crumb)
+    call = _read_text(crumb.parent / CALL_FILE)
+    state["call"] = call or None
+    return state
 
 
 def _read_json(path: Path) -> dict[str, Any]:

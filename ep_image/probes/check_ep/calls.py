@@ -39,14 +39,14 @@ def track_calls(backend: Any) -> Any:
             outer = depth[0] == 0
             if outer:
                 count[0] += 1
-                _supervise.progress.update(call=f"{name}, call #{count[0]}")
+                _supervise.progress.mark_call(f"{name}, call #{count[0]}")
             depth[0] += 1
             try:
                 return method(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 if outer:
-                    _supervise.progress.update(call=None)
+                    _supervise.progress.mark_call(None)
 
         return tracked
 
