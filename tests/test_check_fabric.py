@@ -26,14 +26,15 @@ from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 from fake_installs import fake_deep_ep
 from fake_sysfs import PROPRIETARY_BANNER, Nic, build_node, dgx_like
 
-from ep_image.probes import _fabric, _internode, check_fabric
+from ep_image.probes import check_fabric
+from ep_image.probes.check_fabric import fabric, internode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "ep_image.probes.check_fabric"
 
 
 #: Variables the probe reads; cleared so the caller's shell cannot change a verdict.
-PROBE_ENV = set(_fabric.NVSHMEM_ENV) | set(_fabric.NCCL_ENV) | {"LD_LIBRARY_PATH"}
+PROBE_ENV = set(fabric.NVSHMEM_ENV) | set(fabric.NCCL_ENV) | {"LD_LIBRARY_PATH"}
 
 
 def probe_env(**extra: str) -> dict[str, str]:
@@ -414,23 +415,23 @@ def test_help_reads_like_the_docs() -> None:
 
 
 def test_port_state_and_rate_parsing() -> None:
-    assert _fabric.parse_state("4: ACTIVE") == (4, "ACTIVE")
-    assert _fabric.parse_state("5: LinkUp") == (5, "LinkUp")
-    assert _fabric.parse_state("2: Polling") == (2, "Polling")
-    assert _fabric.parse_state(None) == (None, None)
-    assert _fabric.parse_rate("400 Gb/sec (4X NDR)") == 400.0
-    assert _fabric.parse_rate("2.5 Gb/sec (1X SDR)") == 2.5
-    assert _fabric.parse_rate("garbage") is None
+    assert fabric.parse_state("4: ACTIVE") == (4, "ACTIVE")
+    assert fabric.parse_state("5: LinkUp") == (5, "LinkUp")
+    assert fabric.parse_state("2: Polling") == (2, "Polling")
+    assert fabric.parse_state(None) == (None, None)
+    assert fabric.parse_rate("400 Gb/sec (4X NDR)") == 400.0
+    assert fabric.parse_rate("2.5 Gb/sec (1X SDR)") == 2.5
+    assert fabric.parse_rate("garbage") is None
 
 
 def test_pci_relations() -> None:
     sw = ["pci0000:15", "0000:15:01.0", "0000:16:00.0"]
     gpu = [*sw, "0000:17:00.0", "0000:18:00.0"]
-    assert _fabric.relation(gpu, [*sw, "0000:17:01.0", "0000:19:00.0"], 0, 0) == "PXB"
-    assert _fabric.relation(gpu, [*sw, "0000:17:00.0", "0000:18:00.1"], 0, 0) == "PIX"
-    assert _fabric.relation(gpu, ["pci0000:15", "0000:15:02.0", "0000:20:00.0"], 0, 0) == "PHB"
-    assert _fabric.relation(gpu, ["pci0000:40", "0000:40:01.0", "0000:41:00.0"], 0, 0) == "NODE"
-    assert _fabric.relation(gpu, ["pci0000:97", "0000:97:01.0", "0000:98:00.0"], 0, 1) == "SYS"
+    assert fabric.relation(gpu, [*sw, "0000:17:01.0", "0000:19:00.0"], 0, 0) == "PXB"
+    assert fabric.relation(gpu, [*sw, "0000:17:00.0", "0000:18:00.1"], 0, 0) == "PIX"
+    assert fabric.relation(gpu, ["pci0000:15", "0000:15:02.0", "0000:20:00.0"], 0, 0) == "PHB"
+    assert fabric.relation(gpu, ["pci0000:40", "0000:40:01.0", "0000:41:00.0"], 0, 0) == "NODE"
+    assert fabric.relation(gpu, ["pci0000:97", "0000:97:01.0", "0000:98:00.0"], 0, 1) == "SYS"
 
 
 # ---------------------------------------------------------------------------------------
@@ -504,7 +505,7 @@ def test_deepep_v1_internode_kernels_follow_nvshmem_linkage(
     site = fake_deep_ep(tmp_path / "site", "tokenspeed-deepep", "1.2.1", ["buffer.py"], "")
     args: list[str] = []
     if with_nvshmem:
-        lib = _fabric.nvshmem_lib_dir()
+        lib = fabric.nvshmem_lib_dir()
         if lib is None:
             pytest.skip("no NVSHMEM wheel here to link against")
         args = [f"-L{lib}", "-l:libnvshmem_host.so.3"]
@@ -538,13 +539,13 @@ def test_elf_needed_matches_readelf() -> None:
     if shutil.which("readelf") is None:
         pytest.skip("no readelf")
     files = [os.path.realpath(sys.executable)]
-    files += [p for p in _fabric.find_libraries(r"^libibverbs\.so\.1$")[:1]]
-    lib = _fabric.nvshmem_lib_dir()
+    files += [p for p in fabric.find_libraries(r"^libibverbs\.so\.1$")[:1]]
+    lib = fabric.nvshmem_lib_dir()
     if lib:
         files.append(os.path.join(lib, "libnvshmem_host.so.3"))
     for path in files:
         out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True).stdout
         expected = [ln.split("[", 1)[1].rstrip("]") for ln in out.splitlines() if "(NEEDED)" in ln]
         assert expected, path
-        assert _internode.elf_needed(path) == expected, path
-    assert _internode.elf_needed(__file__) is None  # not an ELF file
+        assert internode.elf_needed(path) == expected, path
+    assert internode.elf_needed(__file__) is None  # not an ELF file

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 
-from ep_image.probes import _facts, _te_checks, check_te
+from ep_image.probes import _facts, check_te
 from ep_image.probes._report import Status
+from ep_image.probes.check_te import gpu_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "ep_image.probes.check_te"
@@ -308,13 +309,13 @@ def test_te_exception_is_unusable_with_the_cudnn_fix() -> None:
         "function operator(): cuDNN Error: CUDNN_BACKEND_TENSOR_DESCRIPTOR cudnnFinalize "
         "failedptrDesc->finalize() cudnn_status: CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED."
     )
-    call = _te_checks._te_call("fused attention backward")
+    call = gpu_steps._te_call("fused attention backward")
     with pytest.raises(check_te.StepFailed) as caught, call:
         raise RuntimeError(seen)
     assert caught.value.status == Status.ERROR
     assert caught.value.detail.startswith("fused attention backward raised RuntimeError: ")
     assert "python3 scripts/build_te.py" in caught.value.hint
-    with pytest.raises(check_te.StepFailed) as caught, _te_checks._te_call("te.Linear forward"):
+    with pytest.raises(check_te.StepFailed) as caught, gpu_steps._te_call("te.Linear forward"):
         raise ValueError("shape mismatch")
     assert caught.value.hint == ""
 

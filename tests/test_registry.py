@@ -201,9 +201,9 @@ def test_each_backend_has_the_adapter_of_its_api() -> None:
 
 
 def test_every_internode_check_kind_has_its_check() -> None:
-    from ep_image.probes import _internode
+    from ep_image.probes.check_fabric import internode
 
-    assert set(_internode.CHECKS) == set(backends.INTERNODE_CHECKS)
+    assert set(internode.CHECKS) == set(backends.INTERNODE_CHECKS)
     assert {s.internode_check for s in backends.SPECS} <= set(backends.INTERNODE_CHECKS)
 
 

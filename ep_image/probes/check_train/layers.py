@@ -15,8 +15,8 @@ from typing import Any
 
 from ep_image.probes import _facts
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
-from ep_image.probes._te_checks import FUSED_ONLY_ENV
-from ep_image.probes._te_import import import_failure, unbounded_lookup_vars
+from ep_image.probes.check_te.gpu_steps import FUSED_ONLY_ENV
+from ep_image.probes.check_te.import_step import import_failure, unbounded_lookup_vars
 
 #: TE's backward picks deterministic algorithms only (fused attention's included): the same
 #: step with and without checkpointing can then be compared bit for bit.

@@ -1,11 +1,7 @@
-#!/usr/bin/env python3
-"""check_te: prove that Transformer Engine (TE) works here, fused attention backward included.
+"""check_te's command: its flags, the order of its steps, its table and JSON report.
 
-Importing TE proves nothing about the cuDNN it meets at run time: this probe compares the cuDNN
-TE was built against with the one loaded, then checks fused attention and ``te.Linear``, forward
-and backward, against plain torch in fp32. See docs/probes.md, section "check-te". This module
-is the command (flags, step order, report); the steps are ``_te_import`` (TE's import),
-``_te_cudnn`` (built vs loaded cuDNN) and ``_te_checks`` (the numbers on the GPU).
+Why this module exists: the steps stand beside it, one a module (``import_step``,
+``cudnn_step``, ``gpu_steps``); this is where they are run in order and judged together.
 """
 
 from __future__ import annotations
@@ -21,32 +17,14 @@ from ep_image.probes import _facts, _venv_record
 from ep_image.probes._report import (
     Status,
     Step,
-    StepFailed,
     build_report,
     exit_code_of,
     render_table,
     write_report,
 )
-from ep_image.probes._te_checks import FUSED_ONLY_ENV, step_fused_attention, step_linear
-from ep_image.probes._te_cudnn import compare_cudnn, step_cudnn
-from ep_image.probes._te_import import import_failure, step_import, unbounded_lookup_vars
-
-# The steps live in the _te_* modules; this module is also their one public face, so that
-# tests and scripts driving the probe from Python need not know that split.
-__all__ = [
-    "STEP_NAMES",
-    "StepFailed",
-    "compare_cudnn",
-    "import_failure",
-    "main",
-    "parse_args",
-    "run",
-    "step_cudnn",
-    "step_fused_attention",
-    "step_import",
-    "step_linear",
-    "unbounded_lookup_vars",
-]
+from ep_image.probes.check_te.cudnn_step import step_cudnn
+from ep_image.probes.check_te.gpu_steps import FUSED_ONLY_ENV, step_fused_attention, step_linear
+from ep_image.probes.check_te.import_step import step_import
 
 PROG = "check_te"
 STEP_NAMES = ("import", "cudnn", "fused_attention", "linear")
@@ -135,7 +113,3 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,17 @@
-#!/usr/bin/env python3
-"""check_fabric: can this node take part in internode expert parallelism, and if not, why?
+"""check_fabric's command: its flags, its steps (one per link internode EP needs) and report.
 
-Reads each link internode EP needs (RDMA ports, verbs, GPUDirect RDMA, IBGDA, NCCL's network,
-the backend's build, GPU-NIC affinity) without torch or a GPU, so a broken one is named with its
-fix before a backend fails late and obscurely. See docs/probes.md, section "check-fabric".
+Why this module exists: the facts come from ``fabric`` (the node's RDMA, GPUs, driver and
+NVSHMEM, read from ``root``) and ``internode`` (the backend's build); this judges them.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ep_image import cli
-from ep_image.probes import _fabric, _internode
 from ep_image.probes._report import (
     EXIT_OK,
     Status,
@@ -27,6 +23,7 @@ from ep_image.probes._report import (
     timed_step,
     write_report,
 )
+from ep_image.probes.check_fabric import fabric, internode
 
 PROG = "check_fabric"
 STEP_NAMES = (
@@ -120,33 +117,33 @@ exit codes:
 
 def collect(root: Path) -> dict[str, Any]:
     """Every fact the steps judge, gathered once; absent things are None, False or []."""
-    devices = _fabric.rdma_devices(root)
-    gpu_list = _fabric.gpus(root)
-    lib_dir = _fabric.nvshmem_lib_dir()
-    release = _fabric.kernel_release(root)
+    devices = fabric.rdma_devices(root)
+    gpu_list = fabric.gpus(root)
+    lib_dir = fabric.nvshmem_lib_dir()
+    release = fabric.kernel_release(root)
     return {
         "root": str(root),
         "devices": devices,
-        "uverbs": _fabric.uverbs_nodes(root),
-        "libibverbs": _fabric.find_libraries(r"^libibverbs\.so\.1$"),
-        "libmlx5": _fabric.find_libraries(r"^libmlx5\.so\.1$"),
+        "uverbs": fabric.uverbs_nodes(root),
+        "libibverbs": fabric.find_libraries(r"^libibverbs\.so\.1$"),
+        "libmlx5": fabric.find_libraries(r"^libmlx5\.so\.1$"),
         "kernel": release,
-        "kernel_dmabuf": _fabric.kernel_at_least(release, (5, 12)),
-        "driver": _fabric.nvidia_driver(root),
-        "nvidia_peermem": _fabric.module_loaded(root, "nvidia_peermem"),
-        "gdrdrv": _fabric.module_loaded(root, "gdrdrv"),
+        "kernel_dmabuf": fabric.kernel_at_least(release, (5, 12)),
+        "driver": fabric.nvidia_driver(root),
+        "nvidia_peermem": fabric.module_loaded(root, "nvidia_peermem"),
+        "gdrdrv": fabric.module_loaded(root, "gdrdrv"),
         "nvshmem_lib_dir": lib_dir,
-        "nvshmem_transports": _fabric.nvshmem_transports(lib_dir),
-        "nvshmem_env": _fabric.env_values(_fabric.NVSHMEM_ENV),
-        "nccl_env": _fabric.env_values(_fabric.NCCL_ENV),
-        "nccl_net_plugins": _fabric.find_libraries(r"^libnccl-net.*\.so"),
+        "nvshmem_transports": fabric.nvshmem_transports(lib_dir),
+        "nvshmem_env": fabric.env_values(fabric.NVSHMEM_ENV),
+        "nccl_env": fabric.env_values(fabric.NCCL_ENV),
+        "nccl_net_plugins": fabric.find_libraries(r"^libnccl-net.*\.so"),
         "gpus": gpu_list,
-        "affinity": _fabric.affinity(gpu_list, devices),
-        "backend": _internode.backend_internode(),
+        "affinity": fabric.affinity(gpu_list, devices),
+        "backend": internode.backend_internode(),
     }
 
 
-def active_ports(devices: list[_fabric.RdmaDevice]) -> list[tuple[str, _fabric.Port]]:
+def active_ports(devices: list[fabric.RdmaDevice]) -> list[tuple[str, fabric.Port]]:
     return [(d.name, p) for d in devices for p in d.ports if p.active]
 
 
@@ -155,7 +152,7 @@ def active_ports(devices: list[_fabric.RdmaDevice]) -> list[tuple[str, _fabric.P
 # ------------------------------------------------------------------------------------------
 
 
-def _port_text(dev: str, port: _fabric.Port) -> str:
+def _port_text(dev: str, port: fabric.Port) -> str:
     layer = {"InfiniBand": "IB", "Ethernet": "RoCE"}.get(port.link_layer or "", port.link_layer)
     return f"{dev}/{port.port} {layer} {port.rate or '?'}"
 
@@ -169,7 +166,7 @@ def not_judged(step: Step, detail: str) -> None:
 
 def step_rdma_devices(facts: dict[str, Any]) -> Step:
     with timed_step("rdma_devices") as step:
-        devices: list[_fabric.RdmaDevice] = facts["devices"]
+        devices: list[fabric.RdmaDevice] = facts["devices"]
         step.data = {"devices": [d.to_json() for d in devices]}
         if not devices:
             raise StepFailed(
@@ -201,7 +198,7 @@ def step_rdma_devices(facts: dict[str, Any]) -> Step:
 
 def step_verbs(facts: dict[str, Any], judged: bool) -> Step:
     with timed_step("verbs") as step:
-        devices: list[_fabric.RdmaDevice] = facts["devices"]
+        devices: list[fabric.RdmaDevice] = facts["devices"]
         uverbs: dict[str, dict[str, Any]] = facts["uverbs"]
         active_devs = sorted({d for d, _ in active_ports(devices)})
         step.data = {
@@ -335,7 +332,7 @@ def step_nccl_net(facts: dict[str, Any], judged: bool) -> Step:
             problems.append(f"NCCL_IB_DISABLE={env['NCCL_IB_DISABLE']} turns NCCL's IB off")
             hints.append("unset NCCL_IB_DISABLE")
         if "NCCL_IB_HCA" in env:
-            chosen = _fabric.hca_filter_matches(env["NCCL_IB_HCA"], names)
+            chosen = fabric.hca_filter_matches(env["NCCL_IB_HCA"], names)
             step.data["ib_hca_selects"] = chosen
             if not chosen:
                 problems.append(
@@ -453,7 +450,3 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
