@@ -3,8 +3,8 @@
 combine against a torch reference, gradients, replay, scenarios, bandwidth (docs/probes.md).
 Also under torchrun: ``torchrun --nproc-per-node 8 probes/check_ep.py``.
 
-The front door of ``ep_image.probes.check_ep``, which holds the implementation: it runs this
-checkout's package with whatever python runs this file.
+A front door (ep_image/front_doors.py): runs the command of the same name in this checkout's
+package, with whatever python runs this file.
 """
 
 import sys
@@ -12,6 +12,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
 
-from ep_image.probes.check_ep import main
+from ep_image.front_doors import enter
 
-sys.exit(main())
+enter(__file__)

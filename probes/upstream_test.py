@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A backend's own upstream test, run as the oracle beside check_ep (docs/probes.md).
 
-The front door of ``ep_image.probes.upstream_test``, which holds the implementation: it runs this
-checkout's package with whatever python runs this file.
+A front door (ep_image/front_doors.py): runs the command of the same name in this checkout's
+package, with whatever python runs this file.
 """
 
 import sys
@@ -10,6 +10,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
 
-from ep_image.probes.upstream_test import main
+from ep_image.front_doors import enter
 
-sys.exit(main())
+enter(__file__)

@@ -2,8 +2,8 @@
 """One EP backend's venv under a prefix, from the committed uv.lock, atomically
 (docs/host-mode.md).
 
-The front door of ``ep_image.build_steps.make_venv``, which holds the implementation: it runs this
-checkout's package with whatever python runs this file.
+A front door (ep_image/front_doors.py): runs the command of the same name in this checkout's
+package, with whatever python runs this file.
 """
 
 import sys
@@ -11,6 +11,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
 
-from ep_image.build_steps.make_venv import main
+from ep_image.front_doors import enter
 
-sys.exit(main())
+enter(__file__)

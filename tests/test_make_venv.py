@@ -200,16 +200,16 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
 
 
 def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
-    """One code path: build_host.sh (ep_image/build_steps/host.py) and the image's ep-<backend>
-    stages both run make_venv.py (the image with --complete, whose sync is host mode's:
+    """One code path: build_host.sh (ep_image/build_steps/build_host.py) and the image's
+    ep-<backend> stages both run make_venv.py (the image with --complete, whose sync is host mode's:
     test_skeleton_then_complete_...), and the NVSHMEM set-up lives only in ep_image/nvshmem.py,
     which make_venv's backend sync calls."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
     stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
     assert "python3 -m ep_image.build_steps.make_venv --complete --backend hybridep" in stage
-    assert "-m ep_image.build_steps.host" in (SCRIPTS / "build_host.sh").read_text()
-    host = ROOT / "ep_image" / "build_steps" / "host.py"
+    assert "-m ep_image.build_steps.build_host" in (SCRIPTS / "build_host.sh").read_text()
+    host = ROOT / "ep_image" / "build_steps" / "build_host.py"
     assert '"ep_image.build_steps.make_venv"' in host.read_text()
     build = ROOT / "ep_image" / "build_steps"
     assert "nvshmem.build_environment(" in (build / "backend_sync.py").read_text()
@@ -368,8 +368,8 @@ def build_host(*args: str | Path, env: dict[str, str] | None = None) -> subproce
 
 
 def test_build_host_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
-    """Each usage error of build_host.sh (ep_image/build_steps/host.py behind it) is one line naming
-    the argument, exit 2, before anything is made."""
+    """Each usage error of build_host.sh (ep_image/build_steps/build_host.py behind it) is one line
+    naming the argument, exit 2, before anything is made."""
     prefix = tmp_path / "venvs"
     cases = [
         ((), "build_host.sh: usage error: --prefix DIR (or EP_PREFIX) is required"),
@@ -398,27 +398,28 @@ def test_build_host_usage_errors_exit_2_in_one_line(tmp_path: Path) -> None:
 
 
 def test_build_host_help_and_the_module_behind_it(tmp_path: Path) -> None:
-    """--help documents every flag and the exit codes; `python -m ep_image.build_steps.host` (the
-    ep-host entry point) is the same command, with EP_PREFIX and EP_BACKENDS as defaults."""
+    """--help documents every flag and the exit codes; `python -m ep_image.build_steps.build_host`
+    (the build-host entry point) is the same command, with EP_PREFIX and EP_BACKENDS as defaults,
+    and names itself by the file it runs as (build_host.py), as build_host.sh does by its own."""
     proc = build_host("--help")
     assert proc.returncode == 0, proc.stderr
     flags = ["--prefix DIR", "--backends LIST", "--te-wheel PATH", "--python PY", "--project DIR"]
     for text in (*flags, "--no-read-only", "--activate BACKEND", "Exit codes: 0"):
         assert text in proc.stdout, text
-    host = [sys.executable, "-m", "ep_image.build_steps.host"]
+    host = [sys.executable, "-m", "ep_image.build_steps.build_host"]
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     proc = subprocess.run(host, capture_output=True, text=True,
                           env=host_env(EP_PREFIX=str(a_file)))  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"build_host.sh: error: cannot create --prefix {a_file}" in proc.stderr
+    assert f"build_host.py: error: cannot create --prefix {a_file}" in proc.stderr
     # An unknown backend is make_venv's usage error (exit 2): passed on, after the summary.
     prefix = tmp_path / "venvs"
     proc = subprocess.run(host, capture_output=True, text=True,
                           env=host_env(EP_PREFIX=str(prefix), EP_BACKENDS="deepep_v3"))  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "unknown EP backend 'deepep_v3'" in proc.stderr and "Traceback" not in proc.stderr
-    assert f"build_host.sh: backends under {prefix}: \n" in proc.stdout
+    assert f"build_host.py: backends under {prefix}: \n" in proc.stdout
     assert f"EP_PREFIX={prefix} {SCRIPTS / 'use-ep'} BACKEND" in proc.stdout
     assert list(prefix.iterdir()) == []
 

@@ -17,8 +17,15 @@ from ep_image import child_env, cli, tools
 from ep_image.build_steps import dedup
 from ep_image.tools import USE_EP
 
-#: What the user ran: the ep-host entry point, or scripts/build_host.sh (which runs this module).
-PROG = "ep-host" if Path(sys.argv[0]).name == "ep-host" else "build_host.sh"
+#: The name of what the user ran, for usage and messages: an entry point (build-host, or its
+#: earlier name ep-host), scripts/build_host.sh (which says so in EP_IMAGE_DOOR), or the Python
+#: front door scripts/build_host.py (``python -m`` runs this file under the same name).
+_ENTRY_POINTS = ("build-host", "ep-host")
+PROG = (
+    Path(sys.argv[0]).name
+    if Path(sys.argv[0]).name in _ENTRY_POINTS
+    else os.environ.get("EP_IMAGE_DOOR") or "build_host.py"
+)
 EXIT_FAILED = 1
 #: The options that take a value, and what the value is (named when it is missing).
 VALUES = {"--prefix": "DIR", "--backends": "LIST", "--te-wheel": "PATH", "--python": "PY",
