@@ -194,14 +194,15 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, tokens, weights, idx, exchange, layer):  # type: ignore[override]
         recv_x, recv_w, recv_idx, handle = exchange.dispatch(tokens, weights, idx, layer)
         ctx.exchange, ctx.handle, ctx.layer = exchange, handle, layer
+        ctx.weights_shape = tuple(recv_w.shape)
         ctx.mark_non_differentiable(recv_idx)
         return recv_x, recv_w, recv_idx, handle
 
     @staticmethod
     def backward(ctx, grad_x, grad_w, _grad_idx, _grad_handle):  # type: ignore[override]
         exchange = ctx.exchange
-        if grad_w is None:
-            grad_w = torch.zeros_like(grad_x[:, :1]).float()
+        if grad_w is None:  # the weights reached no expert here: nothing flows back for them
+            grad_w = torch.zeros(ctx.weights_shape, dtype=torch.float32, device=grad_x.device)
         grad_tokens, grad_weights = exchange.backend.dispatch_backward_with_weights(
             grad_x.contiguous(), grad_w.float().contiguous(), ctx.handle
         )
