@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ep_image import import_graph
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ep_image"
-
-
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
 def room(module: str) -> str:
@@ -41,25 +39,15 @@ def imports(path: Path) -> list[str]:
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
-MODULE_NAMES = {module_name(p): p for p in MODULES}
+MODULE_NAMES = import_graph.modules(ROOT)
+
+
+def module_name(path: Path) -> str:
+    return import_graph.module_name(path, ROOT)
 
 
 def imported_modules(source: str) -> dict[str, set[str]]:
-    """The ep_image modules ``source`` imports, each with the names it takes from it: at module
-    level, in a ``TYPE_CHECKING`` block or inside a function alike (a function-level import that
-    only hides a circle is still one). Each import is resolved to the module it loads: ``from
-    a.b import c`` is ``a.b.c`` where that is a module, else ``a.b``."""
-    found: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                target, name = (sub, "*") if sub in MODULE_NAMES else (node.module, alias.name)
-                found.setdefault(target, set()).add(name)
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                found.setdefault(alias.name, set()).add("*")
-    return {m: names for m, names in found.items() if m in MODULE_NAMES}
+    return import_graph.imported_modules(source, MODULE_NAMES)
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
