@@ -18,22 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _buildah import CACHE, CI_PROFILE, ROOT, ca_bundle, progress
+from _buildah import CACHE, ROOT, ca_bundle, progress
 from _docker_engine import Daemon
-
-#: The Docker tests' profile: the CI profile (tests/test_image_build.py) with torch's CUDA
-#: libraries kept, so that torch imports and check_ep runs inside the image. overlay2 shares
-#: each layer with the next, so their size costs no copy per step. Left out: triton (no probe
-#: imports it) and deep-ep (the git sources of DeepEP v1 and HybridEP need GitHub).
-DOCKER_PROFILE = {**CI_PROFILE, "VENV_SKIP_PACKAGES": "triton deep-ep"}
 
 _VERTEX = re.compile(r"^#(\d+) (.*)$")
 _NAMED = re.compile(r"^\[(\S+)(?: (\d+)/(\d+))?\] (.*)$")
-
-
-def build_args(base: str, ep: str) -> dict[str, str]:
-    """The Docker profile's build arguments for ``EP=ep`` on the base image ``base``."""
-    return {"BASE_IMAGE": base, "EP": ep, **DOCKER_PROFILE}
 
 
 @dataclass

@@ -16,15 +16,18 @@ daemon for the module, its state under the run's temporary directory:
   nothing else: no layer file, `docker history` line or image config holds a marker (and the
   scan does find a marker that a build leaks on purpose);
 - inside the image, `docker run --rm IMAGE probes/...` passes for each command of
-  PROBE_COMMANDS (check_ep over gloo on 2 ranks, check_env);
+  PROBE_COMMANDS (check_ep over gloo on 2 ranks, check_env; see below for the profile);
 - PREBUILT_WHEELS: a source-built backend's wheel, exported by make_venv in the image's own
   environment, is taken instead of compiling, both from a directory outside the build context
   (`--build-context prebuilt-wheels=DIR`) and from one inside it (`--build-arg
   PREBUILT_WHEELS=DIR`), with no route to the git source.
 
-The profile is the buildah tests' CI profile with torch's CUDA libraries kept (DOCKER_PROFILE in
-tests/_docker.py). Where the engine cannot be fetched or started the tests skip, saying why;
-with EP_IMAGE_TEST_REQUIRE_DOCKER=1 (.ci/run sets it) they fail instead.
+The builds use the buildah tests' CI profile (tests/test_image_build.py says what it leaves
+out). torch needs the CUDA libraries that profile leaves out to import at all, so the probes
+run in the EP=all image with those libraries added back into its active venv: one RUN of `uv
+sync --inexact` from the image's own lock, the versions a full image holds. Where the engine
+cannot be fetched or started the tests skip, saying why; with EP_IMAGE_TEST_REQUIRE_DOCKER=1
+(.ci/run sets it) they fail instead.
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ from pathlib import Path
 
 import fake_hybridep
 import pytest
-from _buildah import base_rootfs_tar, recipe_key, sigterm_as_ctrl_c, store_parent
-from _docker import Docker, DockerBuild, build_args, files_holding, marked_secrets
+from _buildah import (
+    LEFT_OUT,
+    base_rootfs_tar,
+    build_args,
+    recipe_key,
+    sigterm_as_ctrl_c,
+    store_parent,
+)
+from _docker import Docker, DockerBuild, files_holding, marked_secrets
 from _docker_engine import Daemon, EngineUnavailable, install, running
 from _progress import Progress
 from test_source_build import fake_cuda, rdma_home
@@ -314,7 +324,7 @@ def test_all_holds_every_backend_and_ep_backend_switches(
         lib = "lib/python3*/site-packages/torch/lib/libtorch_cpu.so"
         inodes = {b: next(Path("/opt/venvs", b).glob(lib)).stat().st_ino
                   for b in record["backends"]}
-        print(json.dumps({"prefix": sys.prefix, "ep": os.environ["EP_BACKEND"],
+        print(json.dumps({"prefix": os.path.realpath(sys.prefix), "ep": os.environ["EP_BACKEND"],
                           "backends": record["backends"], "inodes": inodes}))
     """)
     seen = {}
@@ -333,7 +343,7 @@ def test_all_holds_every_backend_and_ep_backend_switches(
     assert multi <= 1.03 * single, f"EP={MULTI_EP} is {multi / single:.3f}x EP={SINGLE_EP}"
     announce(pytestconfig, [
         f"EP={MULTI_EP}: {', '.join(backends.BACKEND_NAMES)}; torch one inode; EP_BACKEND "
-        f"switches; {multi / 1e9:.2f} GB against {single / 1e9:.2f} GB ({multi / single:.4f}x)",
+        f"switches; {multi} bytes against {single} ({multi / single:.4f}x)",
     ])  # fmt: skip
 
 
@@ -390,14 +400,42 @@ def test_the_secret_scan_finds_a_leak(
 # --- inside the image --------------------------------------------------------------------------
 
 
+#: torch's CUDA libraries, which the CI profile leaves out and torch cannot import without.
+CUDA_LIBRARIES = [name for name in LEFT_OUT if name.startswith("nvidia-")]
+
+
+@pytest.fixture(scope="module")
+def probe_image(
+    builds: Builds, docker: Docker, tmp_path_factory: pytest.TempPathFactory,
+    secrets: tuple[dict[str, Path], list[str]],
+) -> str:  # fmt: skip
+    """The EP=all image with CUDA_LIBRARIES in its active venv, from the image's own lock."""
+    work = tmp_path_factory.mktemp("probe-image")
+    keep_out = [p for p in LEFT_OUT if p not in CUDA_LIBRARIES] + ["transformer-engine"]
+    dockerfile = f"""\
+        FROM {builds.multi.image}
+        RUN --mount=type=cache,target=/root/.cache/uv,id=ep-image-uv \\
+            --mount=type=secret,id=ca-bundle \\
+            UV_PROJECT_ENVIRONMENT=/opt/venvs/{SINGLE_EP} /opt/ep-image/docker/with-secrets \\
+            uv sync --frozen --inexact --no-install-project --project /opt/ep-image \\
+            --extra {SINGLE_EP} {" ".join(f"--no-install-package {p}" for p in keep_out)}
+    """
+    (work / "Dockerfile").write_text(textwrap.dedent(dockerfile))
+    build = docker.build("ep-image:probes", {}, "probe-image", context=work,
+                         dockerfile=work / "Dockerfile",
+                         secrets={"ca-bundle": secrets[0]["ca-bundle"]})  # fmt: skip
+    assert build.returncode == 0, build.text()[-4000:]
+    return build.image
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("command", "expected"), PROBE_COMMANDS)
 def test_probe_passes_inside_the_image(
-    builds: Builds, docker: Docker, command: list[str], expected: str,
+    probe_image: str, docker: Docker, command: list[str], expected: str,
     pytestconfig: pytest.Config,
 ) -> None:  # fmt: skip
     """`docker run --rm IMAGE probes/...` through the entrypoint, from the image's WORKDIR."""
-    proc = docker.run(builds.multi.image, *command, timeout=600)
+    proc = docker.run(probe_image, *command, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert expected in out, out[-4000:]
