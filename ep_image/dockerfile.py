@@ -27,6 +27,8 @@ _SECRETS = "--mount=type=secret,id=ca-bundle --mount=type=secret,id=gitconfig"
 _COPY_FILES_NOTE = "# hadolint ignore=DL3067"
 #: How the valid EP values are introduced, above `final` and in docker/select-ep's message.
 VALUES_PREFIX = "valid EP values: "
+#: The volume every backend's run-time kernel cache lives under (BackendSpec.jit_cache).
+JIT_CACHE_ROOT = "/var/cache/ep-jit"
 
 
 def backend_stage(spec: backends.BackendSpec) -> list[str]:
@@ -89,16 +91,12 @@ def image_stage(value: str, names: list[str]) -> list[str]:
         lines.append(f"COPY --from=ep-{name} {record} /etc/ep-image/stages/{name}.json")
     run = "PYTHONPATH=/opt/ep-image python3 -m ep_image.build_steps.image_stage assemble"
     start = f"ep-{names[0]}" if len(names) == 1 else "venvs-common"
-    lines += [
-        f"FROM {start} AS image-{value}",
-        "ARG EP_ACTIVE",
-        _COPY_FILES_NOTE,
-        f"COPY --from=files-{value} / /",
-    ]
+    lines += [f"FROM {start} AS image-{value}", "ARG EP_ACTIVE", *jit_cache_env(names)]
+    lines += [_COPY_FILES_NOTE, f"COPY --from=files-{value} / /"]
     if len(names) == 1:
         return [*lines, f"RUN {run} \\", f'    --in-place --active "${{EP_ACTIVE}}" {names[0]}']
     # rw: BuildKit keys a read-only bind mount by a checksum of every file in it (minutes for
-    # three venvs of 70,000 files each) and a writable one by the stage's own cache key, which
+    # the venvs, about 70,000 files each) and a writable one by the stage's own cache key, which
     # already changes with everything the venv is made from. Nothing writes there: the
     # assembly only reads the stages' venvs (BuildKit would discard writes; buildah keeps them).
     mounts = [
@@ -107,11 +105,24 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     ]
     lines += [
         "# rw: BuildKit then keys the mounts by their stages, not by a checksum of every file in",
-        "# them (minutes for three venvs). The assembly only reads them.",
+        "# them (minutes for the venvs). The assembly only reads them.",
         f"RUN {mounts[0]} \\",
     ]
     lines += [f"    {mount} \\" for mount in mounts[1:]]
     lines += [f"    {run} \\", '    --active "${EP_ACTIVE}" ' + " ".join(names)]
+    return lines
+
+
+def jit_cache_env(names: list[str]) -> list[str]:
+    """``ENV`` pointing the run-time kernel cache of each selected backend that has one into
+    JIT_CACHE_ROOT (a volume there keeps them across containers); none if none has one."""
+    caches = [backends.spec(name).jit_cache for name in names]
+    pairs = [f"{var}={JIT_CACHE_ROOT}/{sub}" for var, sub in filter(None, caches)]
+    if not pairs:
+        return []
+    lines = [f"    {pair} \\" for pair in pairs]
+    lines[0] = "ENV " + lines[0].lstrip()
+    lines[-1] = lines[-1].removesuffix(" \\")
     return lines
 
 

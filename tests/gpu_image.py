@@ -48,7 +48,7 @@ from _ngc_standin import standin_image
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE = CACHE / "gpu-image"
-#: One part a device call: 64 MiB travel in a call, the repository included.
+#: The export's part size: 59 MiB, so that a part and the repository travel together in 64 MiB.
 PART_BYTES = 59 * 1024 * 1024
 GITHUB = {
     "DeepEP": "https://github.com/deepseek-ai/DeepEP",

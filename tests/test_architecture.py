@@ -149,11 +149,13 @@ def test_the_circle_test_sees_function_level_imports_and_circles(tmp_path: Path)
     assert import_circles(graph) == [["a", "b", "c"], ["e"]]
 
 
-def test_importing_check_ep_loads_no_torch() -> None:
-    """The check-ep entry point imports the package: it must answer --help, bad usage and a
-    missing backend without loading torch (the worker imports torch, and what needs it)."""
+@pytest.mark.parametrize("probe", ["check_ep", "check_train"])
+def test_importing_a_rank_probe_loads_no_torch(probe: str) -> None:
+    """The check-ep and check-train entry points import their package: each must answer --help,
+    bad usage and a missing backend without loading torch (the worker imports torch, and what
+    needs it)."""
     code = (
-        "import sys, ep_image.probes.check_ep as probe\n"
+        f"import sys, ep_image.probes.{probe} as probe\n"
         "assert callable(probe.main)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n"
     )
@@ -173,7 +175,7 @@ def test_every_entry_point_resolves() -> None:
     """[project.scripts]: each ``module:function`` exists, so every venv's bin/ works."""
     with (ROOT / "pyproject.toml").open("rb") as fh:
         scripts = tomllib.load(fh)["project"]["scripts"]
-    assert {"check-ep", "check-te", "check-env", "check-fabric"} <= set(scripts)
+    assert {"check-ep", "check-train", "check-te", "check-env", "check-fabric"} <= set(scripts)
     for name, target in scripts.items():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function, None)), name

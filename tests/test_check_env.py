@@ -202,3 +202,62 @@ def test_bad_usage_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and m is None
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("check_env: usage error: unrecognized arguments")
+
+
+def fake_cuda_home(root: Path) -> tuple[Path, Path]:
+    """A CUDA home at ``root/cuda-13.0`` whose nvcc answers --version and -dryrun as nvcc does,
+    and a wrapper ``root/bin/nvcc`` that runs it (as /usr/local/bin/nvcc does on some hosts)."""
+    home = root / "cuda-13.0"
+    (home / "include").mkdir(parents=True)
+    (home / "include" / "cuda_runtime.h").write_text("/* cuda runtime */\n")
+    (home / "bin").mkdir()
+    real = home / "bin" / "nvcc"
+    real.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *--version*) echo "Cuda compilation tools, release 13.0, V13.0.88" ;;\n'
+        f'  *-dryrun*) echo "#$ _HERE_={home}/bin" >&2; echo "#$ TOP={home}/bin/.." >&2 ;;\n'
+        "esac\n"
+    )
+    wrapper = root / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+    for exe in (real, wrapper):
+        exe.chmod(0o755)
+    return home, wrapper
+
+
+def test_cuda_home_behind_an_nvcc_wrapper_is_the_toolkit_not_the_wrappers_parent(
+    tmp_path: Path,
+) -> None:
+    """nvcc on PATH as a script in <dir>/bin that runs the toolkit's nvcc: the CUDA home is the
+    toolkit's (the one holding include/cuda_runtime.h), not <dir>."""
+    home, wrapper = fake_cuda_home(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = f"{wrapper.parent}:/usr/bin:/bin"
+    proc, m = run_env(tmp_path, env=env)
+    assert proc.returncode == 0 and m is not None, proc.stdout + proc.stderr
+    toolkit = m["cuda_toolkit"]
+    assert toolkit["home"] == str(home), toolkit
+    assert toolkit["nvcc_version"] == "13.0.88"
+    assert "nvcc on PATH" in toolkit["found_by"] and str(wrapper) in toolkit["found_by"]
+    assert f"cuda toolkit        {home} nvcc 13.0.88" in proc.stdout
+    # CUDA_HOME still wins.
+    proc, m = run_env(tmp_path, env={**env, "CUDA_HOME": str(tmp_path / "other")})
+    assert m is not None and m["cuda_toolkit"]["home"] == str(tmp_path / "other")
+
+
+def test_no_te_build_json_is_said_so_not_the_images_path(tmp_path: Path) -> None:
+    """On a host without the image's /opt/venvs/te-build.json and nothing named: the manifest
+    says there is none instead of naming a path that is not there."""
+    env = {k: v for k, v in os.environ.items() if k != "EP_TE_BUILD_INFO"}
+    proc, m = run_env(tmp_path, env=env)
+    assert m is not None, proc.stdout + proc.stderr
+    if (
+        Path("/opt/venvs/te-build.json").exists()
+        or (Path(sys.prefix).parent / "te-build.json").exists()
+    ):
+        pytest.skip("this machine has a te-build.json where the probe looks")
+    assert m["transformer_engine"]["build_info_path"] is None
+    assert "from /opt/venvs/te-build.json" not in proc.stdout
+    assert "cudnn built (TE)    null, no te-build.json (looked at " in proc.stdout

@@ -610,13 +610,15 @@ def test_markers_and_distributions_match_the_build_registry() -> None:
     """The probe's identity rules agree with ep_image/backends/ (one registry, two readers)."""
     registry = backends.load_registry(ROOT)
     assert tuple(registry) == _backend_detect.BACKEND_NAMES
-    markers = dict(_backend_detect.MARKERS)
+    assert backends.layout_markers(backends.MODULE) == _backend_detect.MARKERS
     for name, backend in registry.items():
-        assert backend.marker_file == f"deep_ep/{markers[name]}", name
+        module = backends.spec(name).module
+        markers = dict(backends.layout_markers(module))
+        assert backend.marker_file == f"{module.replace('.', '/')}/{markers[name]}", name
         version = backend.requirement.split("==", 1)[1] if "==" in backend.requirement else "0"
         by_dist = _backend_detect.backend_from_distribution(backend.distribution, version)
         assert by_dist in (name, None), (name, by_dist)
-        assert backend.distribution in _backend_detect.KNOWN_DISTRIBUTIONS
+        assert backend.distribution in backends.known_distributions(module)
 
 
 def test_merge_exit_codes() -> None:
@@ -742,3 +744,25 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     assert "(empty: the first dispatch compiles)" in detail and "NCCL GIN enabled" in detail
     detail = gates._import_detail(sel, {"distribution": "deep-ep", "version": "2.0.0", **facts})
     assert "(2 files: reused)" in detail
+
+
+def test_a_backend_class_file_may_define_dataclasses(tmp_path: Path) -> None:
+    """A --backend-class file is loaded as an import loads a module: a @dataclass in it (which
+    looks its module up while it is made) works."""
+    source = tmp_path / "dataclass_backend.py"
+    source.write_text(
+        "from __future__ import annotations\n"
+        "import dataclasses\n"
+        "from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend\n"
+        "@dataclasses.dataclass\n"
+        "class Tally:\n"
+        "    calls: int = 0\n"
+        "class WithTally(TorchBackend):\n"
+        "    name = 'with_tally'\n"
+        "    tally = Tally()\n"
+    )
+    proc, report = run_probe(
+        tmp_path, "--backend-class", f"{source}:WithTally", *SMALL, *QUICK, "--scenarios", "none"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["backend"] == "with_tally"

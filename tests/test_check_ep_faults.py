@@ -1,4 +1,4 @@
-"""check_ep against backends that fail the way real kernels do (issue 10): every one must end
+"""check_ep against backends that fail the way real kernels do: every one must end
 with the right non-zero code *and* a table and JSON report from rank 0.
 
 Why these tests: each fault here once got past the probe - an exit with status 0 in the
@@ -119,7 +119,7 @@ def test_data_corrupted_by_back_to_back_calls_fails(
 
 
 # ---------------------------------------------------------------------------------------
-# Ranks in step (issue 29): a check that fails on one rank never leaves a peer waiting
+# Ranks in step: a check that fails on one rank never leaves a peer waiting
 # ---------------------------------------------------------------------------------------
 
 
@@ -558,6 +558,7 @@ def test_the_jit_adapters_declare_what_their_jit_runs_from_the_cuda_home() -> No
     (csrc/hybrid_ep/jit/compiler.cu at e0a5b1d9)."""
     from ep_image.probes.check_ep.adapters.plugins import ADAPTERS
 
-    assert ADAPTERS["ElasticBuffer"].jit_tools == ("nvcc", "cuobjdump")
-    assert ADAPTERS["HybridEPBuffer"].jit_tools == ("nvcc",)
-    assert all(cls.jit_compiles for cls in (ADAPTERS["ElasticBuffer"], ADAPTERS["HybridEPBuffer"]))
+    elastic, hybrid = ADAPTERS["deep_ep", "ElasticBuffer"], ADAPTERS["deep_ep", "HybridEPBuffer"]
+    assert elastic.jit_tools == ("nvcc", "cuobjdump")
+    assert hybrid.jit_tools == ("nvcc",)
+    assert all(cls.jit_compiles for cls in (elastic, hybrid))

@@ -1,4 +1,4 @@
-"""check_ep's scenarios and operation contracts (issue 12), against backends with one fault each.
+"""check_ep's scenarios and operation contracts, against backends with one fault each.
 
 Why these tests: every layer-shape check drives one routing, so a backend right only for it
 passed. Each scenario class gets a broken backend here (tests/fixtures/broken_backends.py:
@@ -16,7 +16,12 @@ from conftest import BROKEN
 
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
 QUICK = ["--iters", "3", "--warmup", "1", "--replays", "2", "--timeout", "120"]
-ALL = ("changing", "skewed", "dropped", "uneven", "reuse")
+
+
+def all_scenarios() -> tuple[str, ...]:
+    from ep_image.probes.check_ep.scenarios.catalogue import NAMES
+
+    return NAMES
 
 
 def backend(cls: str) -> list[str]:
@@ -28,24 +33,35 @@ def scenario_results(run) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------
-# One broken backend per scenario class: that scenario fails, named, and nothing else
+# One broken backend per scenario class: that scenario fails, named, and only the scenarios
+# that drive the backend the same way fail with it
 # ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("cls", "world", "scenario", "phrase"),
+    ("cls", "world", "failing", "phrase"),
     [
         # At one rank every layout delivers every token in order, so a stale layout hides.
-        ("KeepsPreviousLayout", 2, "changing", "layout 2 combine_backward"),
-        ("ReusesDispatchBuffer", 1, "changing", "layout 2 outputs: what dispatch returned"),
-        ("DropsHotExpertTokens", 1, "skewed", "layout 0 dispatch: local expert"),
-        ("MishandlesDroppedSlots", 1, "dropped", "layout 0 dispatch: received"),
-        ("BreaksOnEmptyRank", 2, "uneven", "layout 0"),
-        ("KeepsFirstActivations", 1, "reuse", "dispatch_cached (round 2)"),
+        # Interleaved layouts run backward through an earlier layout's handle too.
+        ("KeepsPreviousLayout", 2, ("changing", "interleaved"), "layout 2 combine_backward"),
+        ("ReusesDispatchBuffer", 1, ("changing", "interleaved"), "layout 2 outputs: what dispatch"),
+        ("DropsHotExpertTokens", 1, ("skewed",), "layout 0 dispatch: local expert"),
+        # marks drops slots too (-1 in a token's first, last or every slot).
+        ("MishandlesDroppedSlots", 1, ("dropped", "marks"), "layout 0 dispatch: received"),
+        ("BreaksOnEmptyRank", 2, ("uneven",), "layout 0"),
+        # views runs a round of new activations through each layout, as reuse does.
+        ("KeepsFirstActivations", 1, ("reuse", "views"), "dispatch_cached (round 2)"),
+        # How frameworks drive a backend.
+        ("ReadsXAsContiguous", 2, ("views",), "layout 0 dispatch: received"),
+        ("RoutingByReferenceInHandle", 2, ("views",), "dispatch_cached (round 1)"),
+        ("CombineUsesLastHandle", 2, ("interleaved",), "layout 0 combine"),
+        ("ExtraZeroRowsOnRedispatch", 1, ("recompute",), "layout 0 dispatch again: received"),
+        ("StaleAfterRecreate", 1, ("lifecycle",), "layout 1 dispatch"),
+        ("DropsZeroWeightSlots", 2, ("marks",), "layout 0 dispatch: received"),
     ],
 )
 def test_a_fault_of_one_scenario_class_fails_that_scenario(
-    check_ep, cls: str, world: int, scenario: str, phrase: str
+    check_ep, cls: str, world: int, failing: tuple[str, ...], phrase: str
 ) -> None:
     from ep_image.probes.check_ep.scenarios.catalogue import scenario_seed
 
@@ -56,8 +72,9 @@ def test_a_fault_of_one_scenario_class_fails_that_scenario(
     assert statuses["scenarios"] == "fail"
     results = scenario_results(run)
     assert {n: r["status"] for n, r in results.items()} == {
-        n: "fail" if n == scenario else "pass" for n in ALL
+        n: "fail" if n in failing else "pass" for n in all_scenarios()
     }
+    scenario = failing[0]  # the first in the documented order: the table names it first
     bad = results[scenario]
     assert bad["seed"] == scenario_seed(0, scenario)  # reproducible: recorded in the report
     assert phrase in bad["detail"], bad
@@ -65,6 +82,8 @@ def test_a_fault_of_one_scenario_class_fails_that_scenario(
     assert detail.startswith(f"{scenario} failed on rank {bad['rank']} (seed {bad['seed']}): ")
     assert "--scenarios NAME" in run.step("scenarios")["hint"]
     assert run.report["numbers"]["scenarios"][scenario] == "fail"
+    if cls == "ExtraZeroRowsOnRedispatch":  # the recompute's own words
+        assert any("where its first dispatch returned" in p for p in bad["problems"]), bad
     if cls == "BreaksOnEmptyRank":  # the rank without tokens says what it lost
         assert bad["tokens_per_rank"] == [[59], [0]]
         rank1 = run.step("scenarios")["data"]["ranks"][1]["scenarios"]
@@ -73,14 +92,24 @@ def test_a_fault_of_one_scenario_class_fails_that_scenario(
         assert bad["failed_ranks"] == [0, 1]
 
 
+def test_a_backend_writing_into_its_callers_input_is_named(check_ep) -> None:
+    """It changes the probe's own inputs too, so many checks fail; views says what it did."""
+    run = check_ep(*backend("WritesIntoCallerInput"), *SMALL, *QUICK, nproc=2)
+    assert run.proc.returncode == 1, run.output
+    views = scenario_results(run)["views"]
+    assert views["status"] == "fail"
+    assert any("the call wrote into its caller's input" in p for p in views["problems"]), views
+
+
 def test_a_backend_answering_from_a_cache_fails_reuse_and_the_timed_loop(check_ep) -> None:
     """The timed calls each get new activations: a cached answer is wrong data, not a fast
     bandwidth."""
     run = check_ep(*backend("CachesResults"), *SMALL, *QUICK)
     assert run.proc.returncode == 1, run.output
     assert [n for n, s in run.statuses().items() if s != "pass"] == ["scenarios", "bandwidth"]
+    # views runs a round of new activations through each layout too.
     assert {n: r["status"] for n, r in scenario_results(run).items()} == {
-        n: "fail" if n == "reuse" else "pass" for n in ALL
+        n: "fail" if n in ("reuse", "views") else "pass" for n in all_scenarios()
     }
     band = run.step("bandwidth")
     assert "4 of 4 back-to-back dispatch calls returned wrong data" in band["detail"]
@@ -103,7 +132,7 @@ def test_backward_operations_are_checked_each_on_its_own(check_ep) -> None:
     assert run.step("backward")["data"]["grad_rel_diff"] == 0.0
     # Every scenario checks both operations too (uneven holds no token at one rank).
     results = scenario_results(run)
-    assert all(results[n]["status"] == "fail" for n in ALL if n != "uneven")
+    assert all(results[n]["status"] == "fail" for n in all_scenarios() if n != "uneven")
     assert "combine_backward" in results["changing"]["detail"]
 
 
@@ -157,7 +186,9 @@ def test_a_backend_that_raises_in_a_scenario_stops_there(check_ep) -> None:
     statuses = run.statuses()
     assert statuses["scenarios"] == "error" and statuses["bandwidth"] == "not run"
     results = scenario_results(run)
-    assert [results[n]["status"] for n in ALL] == ["pass", "pass", "error", "not run", "not run"]
+    assert [results[n]["status"] for n in all_scenarios()] == ["pass", "pass", "error"] + [
+        "not run"
+    ] * (len(all_scenarios()) - 3)
     assert results["dropped"]["detail"] == (
         "layout 0 dispatch raised IndexError: index -1 is out of bounds for dimension 1 with "
         "size 16"
@@ -185,7 +216,22 @@ def test_a_crash_in_a_scenario_names_the_scenario_and_the_call(check_ep) -> None
 def test_scenario_names_parse() -> None:
     from ep_image.probes.check_ep.scenarios.catalogue import NAMES, parse
 
-    assert parse("all") == list(NAMES) == list(ALL)
+    assert (
+        parse("all")
+        == list(NAMES)
+        == [
+            "changing",
+            "skewed",
+            "dropped",
+            "uneven",
+            "reuse",
+            "views",
+            "interleaved",
+            "recompute",
+            "lifecycle",
+            "marks",
+        ]
+    )
     assert parse("none") == []
     assert parse("reuse, skewed,reuse") == ["skewed", "reuse"]
     with pytest.raises(ValueError, match="unknown scenario 'x'; choose from changing"):

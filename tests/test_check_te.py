@@ -88,9 +88,18 @@ def test_build_info_path_from_environment(tmp_path: Path) -> None:
     assert report["versions"]["te_build_info"] == {"cudnn_version": "9.24.0"}
 
 
-def test_build_info_path_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_info_path_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Named (flag, then environment), else the one beside the venv, else the image's, else
+    none: a host without any is told so, never shown the image's path as if it were there."""
     monkeypatch.delenv("EP_TE_BUILD_INFO", raising=False)
-    assert _facts.te_build_info_path(None) == "/opt/venvs/te-build.json"
+    venv = tmp_path / "venvs" / "deepep_v2"
+    venv.mkdir(parents=True)
+    if not Path(_facts.DEFAULT_TE_BUILD_INFO).exists():
+        assert _facts.te_build_info_path(None, prefix=str(venv)) is None
+    (tmp_path / "venvs" / "te-build.json").write_text("{}")
+    assert _facts.te_build_info_path(None, prefix=str(venv)) == str(
+        tmp_path / "venvs/te-build.json"
+    )
     monkeypatch.setenv("EP_TE_BUILD_INFO", "/env/te-build.json")
     assert _facts.te_build_info_path(None) == "/env/te-build.json"
     assert _facts.te_build_info_path("/flag.json") == "/flag.json"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ep_image import tools
+from ep_image.build_steps import bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +70,37 @@ def test_bootstrap_help_reads_like_documentation() -> None:
                           text=True, check=True)  # fmt: skip
     for text in ("--tests", tools.UV_VERSION, "buildah", "debootstrap", "COMMAND"):
         assert text in proc.stdout, text
+
+
+def packages_named(text: str) -> set[str]:
+    """The package list of the sentence in ``text`` that names buildah and debootstrap
+    ("buildah, debootstrap, git, gcc and libibverbs-dev")."""
+    match = re.search(r"buildah, debootstrap,[^.;()]*?\band\s+([\w.+-]+)", text)
+    assert match, "no list of the test packages"
+    items = re.split(r",\s*|\s+and\s+", match.group(0))
+    return {item.strip() for item in items if item.strip()}
+
+
+def test_the_docs_name_the_packages_bootstrap_installs() -> None:
+    """README and docs/ci.md list what `bootstrap.py --tests` installs: its own list, so the
+    two pages cannot drift from it or from each other."""
+    wanted = {package for _, package in bootstrap.TEST_PACKAGES}
+    for page in ("README.md", "docs/ci.md"):
+        named = packages_named(" ".join((ROOT / page).read_text().split()))
+        assert named == wanted, f"{page} names {sorted(named)}, bootstrap installs {sorted(wanted)}"
+
+
+def test_docs_ci_names_each_test_that_skips_without_a_deepep_clone() -> None:
+    """Which tests skip on a machine without GitHub: each one whose skip names
+    EP_DEEPEP_GIT_DIR is named in docs/ci.md."""
+    ci_md = (ROOT / "docs" / "ci.md").read_text()
+    skipping = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        blocks = re.split(r"\n(?=(?:@pytest\.mark\.\w+.*\n)*def test_)", path.read_text())
+        for block in blocks:
+            name = re.search(r"def (test_\w+)", block)
+            if name and re.search(r"pytest\.skip\([^)]*EP_DEEPEP_GIT_DIR", block):
+                skipping.append(name.group(1))
+    assert len(skipping) >= 2, skipping
+    missing = [name for name in skipping if f"`{name}`" not in ci_md]
+    assert not missing, f"docs/ci.md does not name these skips: {missing}"

@@ -1,10 +1,12 @@
-"""Every relative link in README.md, docs/**/*.md and evidence/README.md resolves: the file or
-folder exists, and an anchor names a heading of the page it points at, as GitHub renders it.
+"""Every relative link in README.md, docs/**/*.md and evidence/ (the index and every dated
+page) resolves: the file or folder exists, and an anchor names a heading of the page it points
+at, as GitHub renders it.
 
-Why: product pages quote measured figures briefly and link to the dated run's page beside its
-data (evidence/<date>/README.md, indexed by evidence/README.md); a page moved or a heading
-renamed must not leave a reader at a dead link. The dated pages themselves are records and are
-not checked here. External links (http, https, mailto) are not checked: the tests run offline.
+Why: product pages quote measured figures briefly and link to the dated run's page or straight
+to its data file (evidence/<date>/README.md and the reports beside it, indexed by
+evidence/README.md); a dated page links each figure to its report or log. A page moved, a
+heading renamed or a data file renamed must not leave a reader at a dead link. External links
+(http, https, mailto) are not checked: the tests run offline.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ CODE_SPAN = re.compile(r"`[^`\n]*`")
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "evidence/README.md"]
+    evidence = ROOT / "evidence"
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        evidence / "README.md",
+        *sorted(evidence.glob("*/README.md")),
+    ]
 
 
 def lines_outside_fences(text: str) -> list[tuple[int, str]]:
@@ -97,11 +105,24 @@ def test_every_relative_link_resolves() -> None:
     assert not problems, "broken links:\n" + "\n".join(problems)
 
 
-def test_the_pages_checked_are_the_product_pages_and_the_evidence_index() -> None:
+def test_the_pages_checked_are_the_product_pages_and_every_evidence_page() -> None:
     names = {page.relative_to(ROOT).as_posix() for page in pages()}
     assert {"README.md", "docs/architecture.md", "docs/ci.md", "evidence/README.md"} <= names
     assert all(page.is_file() for page in pages())
-    assert not any(name.startswith("evidence/") for name in names - {"evidence/README.md"})
+    dated = {p.relative_to(ROOT).as_posix() for p in (ROOT / "evidence").glob("*/README.md")}
+    assert dated and dated <= names
+
+
+def test_every_figure_page_links_its_data() -> None:
+    """docs/benchmarks.md is figures: each of its sections with a table of them links a dated
+    run or a data file under evidence/ (the links themselves are checked above)."""
+    page = ROOT / "docs" / "benchmarks.md"
+    sections = re.split(r"\n(?=#{1,2} )", page.read_text())
+    assert len([s for s in sections if "| --- |" in s]) >= 2
+    for section in (s for s in sections if "| --- |" in s):
+        title = section.splitlines()[0]
+        targets = [t for t in LINK.findall(CODE_SPAN.sub("", section)) if "evidence/" in t]
+        assert targets, f"benchmarks.md, {title!r}: no link to its data under evidence/"
 
 
 def test_the_evidence_index_links_every_dated_folder() -> None:

@@ -35,6 +35,10 @@ from conftest import ROOT, clean_env
 from ep_image.backends.hybridep import cache_key, kernel_files, proc_dirs
 from ep_image.backends.hybridep import jit_cache as jit
 
+# The cache's warnings are what several tests check: each test that expects one catches and
+# counts it; any other warning here is a defect, not noise in the run's summary.
+pytestmark = pytest.mark.filterwarnings("error")
+
 # A child that does what a rank does: prepare, list what HybridEPBuffer(load_cached_kernels=True)
 # would load, compile (nvcc's output file, renamed to <key>.so after dlopen), publish, exit.
 CHILD = r"""
@@ -408,7 +412,8 @@ def test_a_cache_others_can_write_is_refused(
 def test_a_cache_another_user_owns_is_refused(install: Install, kernels: dict[str, Path]):
     install.run(compile={K_PRE: kernels[K_PRE]})
     os.chown(install.key_dir(), 65534, 65534)
-    cache = install.prepare()
+    with pytest.warns(RuntimeWarning, match="HybridEP JIT cache: .* belongs to uid 65534"):
+        cache = install.prepare()
     try:
         assert cache.state == "off" and "belongs to uid 65534" in cache.reason
         assert so_files(cache.jit_dir) == {}

@@ -377,7 +377,6 @@ def test_unknown_ep_fails_fast_listing_the_valid_values(
     assert "unknown EP 'deepep_v3'" in text
     values = ", ".join(v for v, _ in backends.image_ep_values())
     assert f"valid EP values: {values}" in text
-    assert "valid EP values: deepep_v1, deepep_v2, hybridep, all" in text
     assert " AS base" not in text, "the base stage started before EP was checked"
     assert build.seconds < 60, f"took {build.seconds:.0f}s"
     announce(pytestconfig, [f"EP=deepep_v3 failed after {build.seconds:.1f}s:"] + [
@@ -398,7 +397,7 @@ def test_multi_backend_image(
     assert data["dist"] == ["sgl-deep-ep", "0.1.2.post1"]
     assert data["marker"] is True
     assert data["manifest"] is True  # check-env ran in the final stage
-    assert "check-ep" in data["probes"]  # the active venv's bin/ holds the probes
+    assert {"check-ep", "check-train"} <= set(data["probes"])  # the active venv's bin/ holds them
     assert data["registry"] is True  # and the registry they import
     # Only the selected stages were built, and nothing writes records nobody reads.
     assert data["stages"] == [f"{name}.json" for name in sorted(backends.BACKEND_NAMES)]
@@ -496,7 +495,7 @@ def test_multi_backend_assembly_is_each_stage_venv_and_only_its_files(
 
 @pytest.mark.slow
 def test_the_probe_files_run_from_the_images_workdir(buildah: Buildah, multi_build: Built) -> None:
-    """The design card's `docker run IMAGE probes/check_ep.py`: through the image's entrypoint,
+    """README's `docker run IMAGE probes/check_ep.py`: through the image's entrypoint,
     relative to its WORKDIR, with the active venv's python (the CPU profile's torch lacks its
     CUDA libraries, so here the probe shows its help and check_env runs whole)."""
     entry = "/opt/ep-image/docker/ep-entrypoint"

@@ -16,7 +16,8 @@ daemon for the module, its state under the run's temporary directory:
   nothing else: no layer file, `docker history` line or image config holds a marker (and the
   scan does find a marker that a build leaks on purpose);
 - inside the image, `docker run --rm IMAGE probes/...` passes for each command of
-  PROBE_COMMANDS (check_ep over gloo on 2 ranks, check_env; see below for the profile);
+  PROBE_COMMANDS (check_ep and check_train over gloo on 2 ranks, check_env; see below for the
+  profile);
 - PREBUILT_WHEELS: a source-built backend's wheel, exported by make_venv in the image's own
   environment, is taken instead of compiling, both from a directory outside the build context
   (`--build-context prebuilt-wheels=DIR`) and from one inside it (`--build-arg
@@ -77,6 +78,11 @@ PROBE_COMMANDS = [
         id="check_ep",
     ),
     pytest.param(["probes/check_env.py"], f"EP_BACKEND          {SINGLE_EP}", id="check_env"),
+    pytest.param(
+        ["probes/check_train.py", "--backend", "torch", "--nproc-per-node", "2"],
+        "result: passed (exit 0)",
+        id="check_train",
+    ),
 ]
 
 

@@ -1,7 +1,9 @@
 """The uv project's promises, checked with the real uv against the committed lock.
 
 - the lock is current and covers Python 3.11 (build hosts) and 3.12 (CUDA base images);
-- exactly the three backends conflict, and `moe` (which holds deepep_v2) excludes the other two;
+- exactly the three backends that ship `deep_ep` conflict, and `moe` (which holds deepep_v2)
+  excludes the other two; a backend alone on its module (NCCL EP's `nccl.ep`) conflicts with none
+  and resolves beside each of them;
 - each extra resolves to its own backend and never another's;
 - asking for two backends at once fails with uv's conflict error, before anything is installed.
 """
@@ -19,9 +21,12 @@ import pytest
 from ep_image import backends
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The backends that ship `deep_ep`, which uv must keep apart.
 BACKENDS = ("deepep_v1", "deepep_v2", "hybridep")
-# The distribution that provides `deep_ep` for each backend (README's backend table).
-BACKEND_DIST = {"deepep_v1": "deep-ep", "deepep_v2": "sgl-deep-ep", "hybridep": "deep-ep"}
+#: The distribution that provides each backend's module (README's backend table).
+BACKEND_DIST = {s.name: s.distribution for s in backends.SPECS}
+#: Backends whose module no other backend ships: they conflict with none.
+ALONE = [s.name for s in backends.SPECS if sum(t.module == s.module for t in backends.SPECS) == 1]
 #: Backends installed from a registry wheel (the others are built from git).
 REGISTRY_BACKENDS = [s.name for s in backends.SPECS if not s.builds_from_source]
 
@@ -67,7 +72,7 @@ def test_lock_is_current() -> None:
 def test_conflict_set_is_exactly_the_three_backends(pyproject: dict, lock: dict) -> None:
     declared = pyproject["tool"]["uv"]["conflicts"]
     assert {item["extra"] for item in declared[0]} == set(BACKENDS)
-    # deepep_v2's variant (DeepEP v2 from the seed's commit) ships deep_ep too: it excludes all.
+    # deepep_v2's variant (upstream DeepEP v2 at af9a0403) ships deep_ep too: it excludes all.
     assert {item["extra"] for item in declared[1]} == {*BACKENDS, "deepep_v2_pinned"}
     # moe holds deepep_v2, so it must exclude exactly the others.
     moe_sets = [{i["extra"] for i in s} for s in declared[2:]]
@@ -81,11 +86,17 @@ def test_conflict_set_is_exactly_the_three_backends(pyproject: dict, lock: dict)
     assert locked[1] == {"deepep-v1", "deepep-v2", "deepep-v2-pinned", "hybridep"}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_deep_ep_backends_are_the_registrys() -> None:
+    assert [s.name for s in backends.SPECS if s.module == backends.MODULE] == list(BACKENDS)
+    assert "ncclep" in ALONE
+
+
+@pytest.mark.parametrize("backend", backends.BACKEND_NAMES)
 def test_each_extra_holds_its_backend_and_no_other(backend: str) -> None:
     packages = exported_packages(backend)
     assert BACKEND_DIST[backend] in packages
-    others = {BACKEND_DIST[b] for b in BACKENDS if b != backend} - {BACKEND_DIST[backend]}
+    others = {BACKEND_DIST[b] for b in backends.BACKEND_NAMES if b != backend}
+    others -= {BACKEND_DIST[backend]}
     assert not packages & others, f"{backend} also pulls {packages & others}"
     assert "torch" in packages
 
@@ -97,7 +108,20 @@ def test_moe_is_deepep_v2_plus_training_stack() -> None:
     assert not packages & {"tokenspeed-deepep", "deep-ep"}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("other", [*BACKENDS, "moe"])
+@pytest.mark.parametrize("alone", ALONE)
+def test_a_backend_alone_on_its_module_combines_with_every_other(alone: str, other: str) -> None:
+    """NCCL EP ships `nccl.ep`, no `deep_ep`: one environment may hold it beside any DeepEP
+    backend (a framework switching dispatcher at run time), from the one lock, with one NCCL."""
+    packages = exported_packages(alone, other)
+    assert {BACKEND_DIST[alone], BACKEND_DIST[other if other != "moe" else "deepep_v2"]} <= packages
+    nccl = [line for line in uv("export", "--frozen", "--no-hashes", "--extra", alone,
+                                "--extra", other).stdout.splitlines()
+            if line.startswith("nvidia-nccl-cu13==")]  # fmt: skip
+    assert len(nccl) == 1, nccl
+
+
+@pytest.mark.parametrize("backend", backends.BACKEND_NAMES)
 def test_te_extra_combines_with_every_backend(backend: str) -> None:
     """TE is not a backend: `--extra <backend> --extra te` resolves without a conflict."""
     packages = exported_packages(backend, "te")

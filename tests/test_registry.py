@@ -27,14 +27,26 @@ def test_registry_matches_pyproject() -> None:
     assert tuple(registry) == backends.BACKEND_NAMES
     pyproject = backends.read_pyproject(ROOT)
     sets = pyproject["tool"]["uv"]["conflicts"]
-    # The first set: the backends; then one per variant: it and every backend.
-    assert [c["extra"] for c in sets[0]] == list(backends.BACKEND_NAMES)
-    variants = [v.extra for s in backends.SPECS for v in s.variants]
-    for variant, conflict_set in zip(variants, sets[1:], strict=False):
-        assert [c["extra"] for c in conflict_set] == [variant, *backends.BACKEND_NAMES]
-    # moe holds the default backend: it conflicts with every other extra that ships deep_ep.
+    # First the backends that ship one module (deep_ep), then each variant with them: exactly
+    # the registry's sets, in its order; a backend alone on its module (nccl.ep) in none.
+    declared = [[c["extra"] for c in s] for s in sets if s[0]["extra"] != "moe"]
+    assert declared == backends.conflict_sets()
+    alone = [s.name for s in backends.SPECS if not any(s.name in c for c in declared)]
+    assert all(
+        sum(t.module == s.module for t in backends.SPECS) == 1
+        for s in backends.SPECS
+        if s.name in alone
+    ), alone
+    # moe holds the default backend: it conflicts with every other extra shipping its module.
     moe_conflicts = {c[1]["extra"] for c in sets if c[0]["extra"] == "moe"}
-    assert moe_conflicts == set(backends.BACKEND_EXTRAS) - {backends.DEFAULT_BACKEND}
+    default_module = backends.spec(backends.DEFAULT_BACKEND).module
+    same_module = {
+        extra
+        for s in backends.SPECS
+        if s.module == default_module
+        for extra in (s.name, *(v.extra for v in s.variants))
+    }
+    assert moe_conflicts == same_module - {backends.DEFAULT_BACKEND}
     for backend in registry.values():
         assert backend.requirement.startswith(backend.distribution)
     moe = pyproject["project"]["optional-dependencies"]["moe"]
@@ -47,14 +59,14 @@ def test_names_and_selections() -> None:
     assert backends.expand_backends(["all"]) == list(backends.BACKEND_NAMES)
     assert backends.expand_backends(["hybridep,deepep_v1"]) == ["deepep_v1", "hybridep"]
     assert backends.expand_backends(["deepep_v2-deepep_v1"]) == ["deepep_v1", "deepep_v2"]
-    with pytest.raises(backends.UnknownBackendError, match="deepep_v1, deepep_v2, hybridep"):
+    with pytest.raises(backends.UnknownBackendError, match=backends.valid_names_text()):
         backends.expand_backends(["deepep_v3"])
     values = dict(backends.image_ep_values())
     assert values["all"] == list(backends.BACKEND_NAMES)
     # Linear in the backends: each alone, and all.
     assert list(values) == [*backends.BACKEND_NAMES, "all"]
     assert backends.ep_value(["hybridep"]) == "hybridep"
-    assert backends.ep_value(["hybridep,deepep_v2,deepep_v1"]) == "all"
+    assert backends.ep_value([",".join(reversed(backends.BACKEND_NAMES))]) == "all"
     with pytest.raises(backends.UnknownBackendError, match="EP=all"):
         backends.ep_value(["deepep_v2", "deepep_v1"])
 
@@ -146,7 +158,7 @@ def _is_generated_or_stage_name(text: str) -> bool:
 
 
 def test_a_variant_installs_its_backend_from_its_own_source() -> None:
-    """deepep_v2_pinned: DeepEP v2 from the seed's commit, not SGLang's wheel; hybridep keeps
+    """deepep_v2_pinned: upstream DeepEP v2 at af9a0403, not SGLang's wheel; hybridep keeps
     its own commit of the same git package (uv's per-extra sources)."""
     wheel = backends.get_backend("deepep_v2", ROOT)
     assert (wheel.extra, wheel.distribution, wheel.git) == ("deepep_v2", "sgl-deep-ep", None)
@@ -174,14 +186,15 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
 
 
 def test_each_backend_has_the_adapter_of_its_api() -> None:
-    """check_ep's adapters are keyed by the ``deep_ep`` API they drive; the registry says which
-    backend ships which, so a backend's name is written in its module only."""
+    """check_ep's adapters are keyed by the API (module and class) they drive; the registry
+    says which backend ships which, so a backend's name is written in its module only."""
     from ep_image.probes.check_ep.adapters import plugins
 
     for spec in backends.SPECS:
         adapter = plugins.BUILTIN[spec.name]
-        assert issubclass(adapter, plugins.ADAPTERS[spec.api]), spec.name
+        assert issubclass(adapter, plugins.ADAPTERS[(spec.module, spec.api)]), spec.name
         assert adapter.name == spec.name and adapter.api == spec.api
+        assert adapter.module == spec.module
     assert set(plugins.BUILTIN) == {*backends.BACKEND_NAMES, "torch"}
     # The shared adapter classes were not renamed by binding them.
     assert all(cls.name == "" for cls in plugins.ADAPTERS.values())
@@ -195,7 +208,7 @@ def test_every_internode_check_kind_has_its_check() -> None:
 
 
 def test_a_backend_is_its_module(tmp_path: Path) -> None:
-    """A fourth backend is one module under ep_image/backends/: the registry lists it, in
+    """Another backend is one module under ep_image/backends/: the registry lists it, in
     module-name order, with no other file touched; a module that breaks the rules is refused."""
     package = tmp_path / "ep_image"
     shutil.copytree(ROOT / "ep_image", package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -208,7 +221,8 @@ def test_a_backend_is_its_module(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True)  # fmt: skip
-    assert run.stdout.split() == [*backends.BACKEND_NAMES, "mori_ep", backends.DEFAULT_BACKEND]
+    listed = sorted([*backends.BACKEND_NAMES, "mori_ep"])
+    assert run.stdout.split() == [*listed, backends.DEFAULT_BACKEND], run.stderr
     (package / "backends" / "mori_ep.py").write_text(
         "from ep_image.backends._spec import BackendSpec\n"
         "SPEC = BackendSpec(name='mori-ep', title='MORI-EP', distribution='mori-ep',\n"
@@ -237,7 +251,7 @@ def test_a_backend_may_be_a_package(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True)  # fmt: skip
-    assert run.stdout.split() == [*backends.BACKEND_NAMES, "mori_ep"], run.stderr
+    assert run.stdout.split() == sorted([*backends.BACKEND_NAMES, "mori_ep"]), run.stderr
     (package / "backends" / "mori_ep" / "__init__.py").write_text(
         "from ep_image.backends._spec import BackendSpec\n"
         "SPEC = BackendSpec(name='mori', title='MORI-EP', distribution='mori-ep',\n"

@@ -97,10 +97,16 @@ def steps(workflow: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def pyproject_backends() -> list[str]:
-    """The EP backends: the extras of the first `[tool.uv] conflicts` set, in file order."""
+    """The EP backends: pyproject.toml's extras that install one (each holds its backend's
+    distribution, as the registry names it), in file order; not `te`, `moe` or a variant."""
     with (ROOT / "pyproject.toml").open("rb") as fh:
-        conflicts = tomllib.load(fh)["tool"]["uv"]["conflicts"]
-    return [entry["extra"] for entry in conflicts[0]]
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    dists = {s.name: s.distribution for s in backends.SPECS}
+    return [
+        name
+        for name, requirements in extras.items()
+        if name in dists and any(r.startswith(dists[name]) for r in requirements)
+    ]
 
 
 def expected_eps() -> list[str]:
@@ -285,6 +291,7 @@ def test_the_path_scan_sees_the_commands_that_matter() -> None:
         ".ci/run",
         "docker/Dockerfile",
         "probes/check_ep.py",
+        "probes/check_train.py",
         "probes/check_te.py",
         module_path("ep_image.backends"),
         "docker/ep-entrypoint",
@@ -528,7 +535,7 @@ def test_ci_and_ci_run_install_the_same_uv() -> None:
 
 
 def test_commands_run_in_the_image_are_the_images_probe_files() -> None:
-    """`in-image.sh CMD`: CMD is one of the image's probes/ files (the design card's
+    """`in-image.sh CMD`: CMD is one of the image's probes/ files (README's
     `probes/check_ep.py`, run from the image's WORKDIR with the active venv's python), a
     [project.scripts] entry point or a launcher."""
     with (ROOT / "pyproject.toml").open("rb") as fh:
@@ -544,4 +551,4 @@ def test_commands_run_in_the_image_are_the_images_probe_files() -> None:
     assert seen, "no in-image.sh command found (or the scan broke)"
     assert seen <= entry_points | launchers | probe_files, seen - entry_points - launchers
     wanted = {"probes/check_env.py", "probes/check_te.py", "probes/check_fabric.py"}
-    assert wanted | {"probes/check_ep.py"} <= seen
+    assert wanted | {"probes/check_ep.py", "probes/check_train.py"} <= seen

@@ -1,10 +1,11 @@
 """The expert-parallel (EP) backend registry: one module per backend, one place for each fact.
 
 Each module here (``deepep_v1.py``, ...) declares its backend's ``SPEC`` (a backend with code of
-its own is a package: ``hybridep/__init__.py``, beside its JIT cache); this package collects
-them and answers every question the build, the probes, the Dockerfile's generated stages and the
-workflows ask about backends. Pins are not here: they are read from pyproject.toml. Adding a
-backend and what else it touches: docs/architecture.md.
+its own is a package: ``hybridep/__init__.py``, beside its JIT cache; ``ncclep/__init__.py``,
+beside what is read of its native library); this package collects them and answers every
+question the build, the probes, the Dockerfile's generated stages and the workflows ask about
+backends. Pins are not here: they are read from pyproject.toml. Adding a backend and what else
+it touches: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -151,15 +152,48 @@ def expand_backends(names: Iterable[str]) -> list[str]:
 
 def other_distributions(name: str) -> list[str]:
     """The distributions of every backend except ``name``, less its own (DeepEP v1 and HybridEP
-    are both ``deep-ep`` from git: the layout tells them apart): none may share its venv."""
+    are both ``deep-ep`` from git: the layout tells them apart): none may share its venv, each
+    backend's venv holding that backend alone."""
     own = normalize(spec(name).distribution)
     others = [s.distribution for s in SPECS if s.name != name]
     return list(dict.fromkeys(d for d in others if normalize(d) != own))
 
 
-def known_distributions() -> tuple[str, ...]:
-    """Every distribution name known to install ``deep_ep``, without repeats, in PROVIDERS order."""
-    return tuple(dict.fromkeys(p.distribution for p in PROVIDERS))
+def modules() -> tuple[str, ...]:
+    """The Python modules the backends ship (``deep_ep``, ``nccl.ep``), in registry order."""
+    return tuple(dict.fromkeys(s.module for s in SPECS))
+
+
+def conflict_sets() -> list[list[str]]:
+    """The sets of extras uv must refuse together: the backends that ship one module (they
+    overwrite each other's files: DeepEP v1, v2 and HybridEP all ship ``deep_ep``), and each
+    variant with them. pyproject.toml's ``[tool.uv] conflicts`` opens with exactly these
+    (tests/test_registry.py); a backend alone on its module conflicts with nothing."""
+    sets: list[list[str]] = []
+    for module in modules():
+        names = [s.name for s in SPECS if s.module == module]
+        if len(names) > 1:
+            sets.append(names)
+        sets += [[v.extra, *names] for s in SPECS if s.module == module for v in s.variants]
+    return sets
+
+
+def _module_of_distribution(distribution: str) -> str | None:
+    """The module a known distribution installs (a spec's, a variant's or a provider's)."""
+    norm = normalize(distribution)
+    for s in SPECS:
+        names = [s.distribution, *(v.distribution for v in s.variants)]
+        names += [p.distribution for p in s.providers]
+        if norm in {normalize(n) for n in names}:
+            return s.module
+    return None
+
+
+def known_distributions(module: str | None = None) -> tuple[str, ...]:
+    """Every distribution name known to install ``module`` (default: any backend's module),
+    without repeats, in PROVIDERS order."""
+    names = dict.fromkeys(p.distribution for p in PROVIDERS)
+    return tuple(n for n in names if module is None or _module_of_distribution(n) == module)
 
 
 def backend_of_distribution(distribution: str, version: str) -> str | None:
@@ -175,25 +209,34 @@ def backend_of_distribution(distribution: str, version: str) -> str | None:
     return None
 
 
-def layout_markers() -> tuple[tuple[str, str], ...]:
-    """(backend, marker inside ``deep_ep/``) in the order a detector must test them.
+def layout_markers(module: str = MODULE) -> tuple[tuple[str, str], ...]:
+    """(backend, marker inside the module's directory) of the backends shipping ``module``, in
+    the order a detector must test them.
 
     A layout that also ships another backend's marker (the hybrid-ep branch keeps v1's
     ``buffer.py``) is tested before that backend; the rest newest first.
     """
-    shadowing = [s for s in SPECS if s.also_ships_markers_of]
-    rest = [s for s in reversed(SPECS) if not s.also_ships_markers_of]
+    shipping = [s for s in SPECS if s.module == module]
+    shadowing = [s for s in shipping if s.also_ships_markers_of]
+    rest = [s for s in reversed(shipping) if not s.also_ships_markers_of]
     return tuple((s.name, s.layout_marker) for s in (*shadowing, *rest))
 
 
-def layout_backend(package_dir: Path) -> str | None:
-    """The backend whose layout ``package_dir`` (an installed ``deep_ep`` directory) has, by its
+def layout_backend(package_dir: Path, module: str = MODULE) -> str | None:
+    """The backend whose layout ``package_dir`` (an installed ``module`` directory) has, by its
     marker files; None if no backend's. DeepEP v1 and HybridEP are one distribution (``deep-ep``
     from git), so only the layout tells which commit a venv holds."""
-    for backend, marker in layout_markers():
+    for backend, marker in layout_markers(module):
         if (package_dir / marker).is_file():
             return backend
     return None
+
+
+def backend_facts(name: str, module_dir: Path) -> dict[str, object]:
+    """What the backend's own ``facts_module`` reads of its installed native library, without
+    importing the backend (check-env's report); {} for a backend without one."""
+    part = spec(name).facts_module
+    return dict(module_of(name, part).facts(module_dir)) if part else {}
 
 
 def install_hint(name: str) -> str:

@@ -34,9 +34,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=(
             "Print the EP backend registry (ep_image/backends/, one module per backend): each "
             "backend's uv extra, the "
-            "distribution that ships its `deep_ep` module, the marker file that identifies its "
-            "layout, what its build needs, and its requirement and source as pyproject.toml "
-            "pins them."
+            "distribution that ships its module (`deep_ep`, or its own), the marker file that "
+            "identifies its layout, what its build needs, and its requirement and source as "
+            "pyproject.toml pins them."
         ),
         epilog=f"Backends: {valid_names_text()}; default: {DEFAULT_BACKEND}. Exit codes: 0 "
         "printed; 1 pyproject.toml and the registry disagree; 2 bad usage.",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The Python module every backend ships (why they conflict).
+#: The Python module DeepEP and its branches ship, so no two of them share a venv (uv's
+#: conflicts). A backend with a module of its own says so (``BackendSpec.module``).
 MODULE = "deep_ep"
 
 #: What ``build_needs`` may hold. NVSHMEM: the source build links NVSHMEM from NVSHMEM_DIR;
@@ -30,7 +31,7 @@ UPSTREAM_SHAPES = (
 
 @dataclass(frozen=True)
 class Provider:
-    """A distribution known to install ``deep_ep`` and the backend its name stands for.
+    """A distribution known to install a backend's module and the backend its name stands for.
 
     ``backend`` None: the name alone does not tell (a git build of DeepEP); the file layout
     decides. ``major``: the rule applies only to versions with this major number.
@@ -39,6 +40,10 @@ class Provider:
     distribution: str
     backend: str | None
     major: str | None = None
+    #: A prebuilt wheel that records no commit: the repository it comes from (where known), and
+    #: what the probes report as its commit (the why of "unknown").
+    upstream: str | None = None
+    no_commit: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,17 @@ class BackendSpec:
     name: str
     #: For people: what it is and its main buffer class.
     title: str
-    #: The distribution that installs this backend's ``deep_ep`` in the lock.
+    #: The distribution that installs this backend's module in the lock.
     distribution: str
-    #: A path inside ``deep_ep/`` that only this backend's layout ships.
+    #: A path inside the module's directory that only this backend's layout ships.
     layout_marker: str
-    #: The ``deep_ep`` buffer class the probes drive (the adapter that speaks its API, chosen in
-    #: ep_image/probes/check_ep/adapters/plugins.py): "Buffer", "ElasticBuffer", "HybridEPBuffer".
+    #: The class of ``module`` the probes drive (the adapter that speaks its API, chosen in
+    #: ep_image/probes/check_ep/adapters/plugins.py by module and class): "Buffer",
+    #: "ElasticBuffer", "HybridEPBuffer" of ``deep_ep``; "Group" of ``nccl.ep``.
     api: str
+    #: The Python module it ships, as imported: DeepEP's ``deep_ep`` (shared by DeepEP's
+    #: branches, hence their conflict), or a module of its own (NCCL EP's ``nccl.ep``).
+    module: str = MODULE
     #: Backends whose marker this layout ships as well (so this marker is tested first).
     also_ships_markers_of: tuple[str, ...] = ()
     #: Other distributions known to install this backend (tokenspeed-deepep, ...).
@@ -98,15 +107,28 @@ class BackendSpec:
     reads_build_variables: bool = False
     #: Other extras that install this backend from another source.
     variants: tuple[Variant, ...] = ()
+    #: Where it keeps kernels it compiles at run time, in the image: (the variable that points
+    #: its cache there, the directory under /var/cache/ep-jit). The image's ``image-<EP>``
+    #: stages set it (docs/image.md), so one volume keeps every backend's kernels.
+    jit_cache: tuple[str, str] | None = None
+    #: A module of the backend's package (``ep_image/backends/<name>/<facts_module>.py``) whose
+    #: ``facts(module_dir)`` tells, without importing the backend, what check-env reports of its
+    #: native library (NCCL EP's libnccl_ep.so: path, release, the libnccl it binds to).
+    facts_module: str = ""
 
     @property
     def extra(self) -> str:
         return self.name
 
     @property
+    def module_path(self) -> str:
+        """The module's directory relative to site-packages (``nccl.ep``: ``nccl/ep``)."""
+        return self.module.replace(".", "/")
+
+    @property
     def marker_file(self) -> str:
         """The layout marker relative to site-packages."""
-        return f"{MODULE}/{self.layout_marker}"
+        return f"{self.module_path}/{self.layout_marker}"
 
     def upstream_shape_arguments(
         self, shape: tuple[int, int, int, int], ranks: int

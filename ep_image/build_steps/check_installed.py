@@ -78,8 +78,12 @@ def installed_distributions(site: Path) -> dict[str, str]:
     return dists
 
 
-def resolve_extensions(site: Path, report: Report) -> None:
-    """Ask the dynamic loader where each library a deep_ep extension needs comes from.
+def resolve_extensions(
+    site: Path, report: Report, distribution: str = "", module: str = ep_backends.MODULE
+) -> None:
+    """Ask the dynamic loader where each library a backend's compiled code needs comes from:
+    ``deep_ep``'s extensions, and every compiled object ``distribution`` installed (its RECORD:
+    NCCL EP's libnccl_ep.so and its bindings).
 
     The loader's own rules decide (RUNPATH and ``$ORIGIN``, LD_LIBRARY_PATH, ldconfig, torch's
     libraries loaded first), so a same-named file elsewhere in site-packages satisfies nothing.
@@ -89,9 +93,12 @@ def resolve_extensions(site: Path, report: Report) -> None:
         *site.glob("deep_ep/*.so"),
         *site.glob("deep_ep_cpp*.so"),
         *site.glob("hybrid_ep_cpp*.so"),
+        *(abi.distribution_extensions(site, [distribution]) if distribution else []),
     ]
+    extensions = list(dict.fromkeys(extensions))
     if not extensions:
-        report.problems.append("no compiled deep_ep extension (*.so) found: the build did not land")
+        missing = f"no compiled {module} extension (*.so) found: the build did not land"
+        report.problems.append(missing)
         return
     report.ld_library_path = os.environ.get("LD_LIBRARY_PATH", "")
     preload = ld_trace.torch_first(site)
@@ -116,7 +123,7 @@ def resolve_extensions(site: Path, report: Report) -> None:
                     f"{ext.name}: {needed}, needed by one of its libraries, is not found by the "
                     "dynamic loader: install the package that ships it"
                 )
-        report.extensions[ext.name] = resolved
+        report.extensions[str(ext.relative_to(site))] = resolved
 
 
 #: Distributions whose compiled code must bind to the venv's torch besides the backend's.
@@ -160,7 +167,8 @@ def check(venv: Path, backend: str) -> Report:
     dists = installed_distributions(site)
     registry = ep_backends.load_registry()
     wanted = registry[backend]
-    shippers = {ep_backends.normalize(d) for d in ep_backends.known_distributions()}
+    module = ep_backends.spec(backend).module
+    shippers = {ep_backends.normalize(d) for d in ep_backends.known_distributions(module)}
     present = {d: dists[d] for d in sorted(shippers) if d in dists}
     report.distributions = present
     if wanted.distribution not in present:
@@ -170,14 +178,14 @@ def check(venv: Path, backend: str) -> Report:
         )
     if len(present) > 1:
         report.problems.append(
-            f"several distributions ship deep_ep ({', '.join(present)}): they overwrite each "
+            f"several distributions ship {module} ({', '.join(present)}): they overwrite each "
             "other; make one venv per backend"
         )
     marker = site / wanted.marker_file
     report.marker = str(marker)
     if not marker.is_file():
         report.problems.append(
-            f"{wanted.marker_file} missing: deep_ep here is not {backend}'s layout"
+            f"{wanted.marker_file} missing: {module} here is not {backend}'s layout"
         )
     report.problems += [
         f"{problem}: the venv is not what was installed (a damaged uv cache entry, or an edit); "
@@ -185,7 +193,7 @@ def check(venv: Path, backend: str) -> Report:
         for problem in dist_records.verify(site)
     ]
     report.problems += recorded_versions(venv, dists)
-    resolve_extensions(site, report)
+    resolve_extensions(site, report, wanted.distribution, module)
     check_symbols(venv, site, [*present, wanted.distribution], report)
     report.status = "problems found" if report.problems else "installed, not yet proven to work"
     return report

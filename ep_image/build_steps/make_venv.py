@@ -1,7 +1,8 @@
 """Create one EP backend's venv under a prefix from the committed uv.lock, atomically: its three
 build modes (a venv; the image's skeletons; completing a skeleton in place); the command line
 and its typed options are in ``make_venv_options``.
-Why: the backends all ship ``deep_ep``, so each needs a venv of its own, built from the lock alone.
+Why: the DeepEP backends all ship ``deep_ep``, and every backend brings its own native libraries,
+so each gets a venv of its own, built from the lock alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a built venv must pass before it moves into place: its own deep_ep, the ABI check.
+"""What a built venv must pass before it moves into place: its own backend, the ABI check.
 
 Why: a venv that installs cleanly but fails at import on every GPU node is refused here.
 """
@@ -17,7 +17,7 @@ from ep_image.project import site_packages
 def verify_backend(
     venv: Path, backend: ep_backends.Backend, installed: list[dict[str, str]]
 ) -> bool:
-    """Check the backend's deep_ep landed and no other backend's did; True if installed."""
+    """Check the backend's module landed and no other backend's did; True if installed."""
     names = {ep_backends.normalize(d["name"]) for d in installed}
     own = ep_backends.normalize(backend.distribution)  # a variant's own, when one is built
     others = [
@@ -31,10 +31,11 @@ def verify_backend(
         return False
     site = site_packages(venv)
     marker = site / backend.marker_file
-    layout = ep_backends.layout_backend(site / ep_backends.MODULE)
+    module = ep_backends.spec(backend.name).module
+    layout = ep_backends.layout_backend(site / module.replace(".", "/"), module)
     if not marker.is_file() or layout != backend.name:
         raise BuildError(
-            f"{backend.name}: {backend.distribution} is installed but its deep_ep is "
+            f"{backend.name}: {backend.distribution} is installed but its {module} is "
             f"{f'the {layout} layout' if layout else 'no known layout'}, not {backend.name}'s "
             f"({backend.marker_file}): check the pin in pyproject.toml"
         )

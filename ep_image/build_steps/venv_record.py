@@ -88,7 +88,7 @@ def build_info(
     return {
         "backend": backend.name,
         "extra": backend.extra,
-        "module": ep_backends.MODULE,
+        "module": ep_backends.spec(backend.name).module,
         "distribution": backend.distribution,
         "requirement": backend.requirement,
         "source": backend.source_label,

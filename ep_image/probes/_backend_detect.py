@@ -1,15 +1,17 @@
-"""Which EP backend this environment holds, found without importing ``deep_ep``.
+"""Which EP backend this environment holds, found without importing it.
 
 Why this module exists: DeepEP v1, DeepEP v2 and HybridEP all install the module ``deep_ep``,
 and importing DeepEP v2 runs checks that can end the process (a second libnccl, an NCCL older
-than 2.30). So the probes first ask package metadata and the file layout what is installed,
-and only then decide whether, and how carefully, to import it. It also turns a failed import
-into a verdict that names the fix.
+than 2.30); NCCL EP installs ``nccl.ep``, whose native library needs the GPU driver. So the
+probes first ask package metadata and the file layout what is installed, and only then decide
+whether, and how carefully, to import it. It also turns a failed import into a verdict that
+names the fix.
 
-Identity rules (distribution first, file layout to confirm or decide): the facts, which
-distribution and which marker file stands for which backend, live in the backend registry
-(``ep_image/backends/``: ``PROVIDERS`` and ``layout_markers()``); the detection logic that
-applies them is here. A git build of DeepEP (``deep-ep``) is told apart by its layout only.
+Identity rules (distribution first, file layout to confirm or decide): the facts, which module,
+distribution and marker file stands for which backend, live in the backend registry
+(``ep_image/backends/``: ``modules()``, ``PROVIDERS`` and ``layout_markers()``); the detection
+logic that applies them is here. A git build of DeepEP (``deep-ep``) is told apart by its layout
+only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ MARKERS: tuple[tuple[str, str], ...] = registry.layout_markers()
 
 #: Distributions known to carry ``deep_ep``, for reporting and identification (``deep_ep`` is
 #: the spelling some builds register under).
-KNOWN_DISTRIBUTIONS: tuple[str, ...] = (*registry.known_distributions(), "deep_ep")
+KNOWN_DISTRIBUTIONS: tuple[str, ...] = (*registry.known_distributions(MODULE), "deep_ep")
 
 #: How a user gets each backend, for "missing" messages.
 INSTALL_HINTS: dict[str, str] = {name: registry.install_hint(name) for name in BACKEND_NAMES}
@@ -45,7 +47,7 @@ INSTALL_HINTS: dict[str, str] = {name: registry.install_hint(name) for name in B
 
 @dataclasses.dataclass
 class Installed:
-    """What provides ``deep_ep`` here. ``backend`` is None when nothing (known) does."""
+    """What provides a backend's module here. ``backend`` is None when nothing (known) does."""
 
     backend: str | None
     module_dir: str | None
@@ -58,22 +60,19 @@ class Installed:
     upstream: str | None = None
     #: Why ``commit`` is what it is ("git build, direct_url.json", or why it is unknown).
     commit_source: str = ""
+    #: The Python module found (``deep_ep``, ``nccl.ep``): what the import step imports.
+    module: str = MODULE
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-#: What a prebuilt wheel says of its origin; none of them records the commit it was built from.
+#: What a prebuilt wheel says of its origin (the registry's providers); none of them records the
+#: commit it was built from.
 WHEEL_PROVENANCE: dict[str, tuple[str | None, str]] = {
-    "sgl-deep-ep": (
-        "https://github.com/sgl-project/DeepEP",
-        "unknown: SGLang's binary build of its fork sgl-project/DeepEP (its README); the wheel "
-        "records no commit",
-    ),
-    "tokenspeed-deepep": (
-        None,
-        "unknown: a prebuilt wheel whose metadata names neither a source repository nor a commit",
-    ),
+    registry.normalize(p.distribution): (p.upstream, p.no_commit)
+    for p in reversed(registry.PROVIDERS)
+    if p.no_commit
 }
 
 
@@ -97,9 +96,9 @@ def provenance(
     return url, None, "unknown: neither direct_url.json nor the version records a commit"
 
 
-def backend_from_layout(package_dir: Path) -> str | None:
-    """The backend whose marker file ``package_dir`` (a ``deep_ep`` directory) contains."""
-    return registry.layout_backend(package_dir)
+def backend_from_layout(package_dir: Path, module: str = MODULE) -> str | None:
+    """The backend whose marker file ``package_dir`` (a ``module`` directory) contains."""
+    return registry.layout_backend(package_dir, module)
 
 
 def backend_from_distribution(name: str, version: str) -> str | None:
@@ -107,28 +106,32 @@ def backend_from_distribution(name: str, version: str) -> str | None:
     return registry.backend_of_distribution(name, version)
 
 
-def _distribution_of() -> tuple[str | None, str | None]:
-    """The installed distribution that provides ``deep_ep`` and its version."""
-    names = _facts.providers_of(MODULE) or []
-    # A distribution whose RECORD lists deep_ep, else any known name that is installed.
-    for name in [*names, *KNOWN_DISTRIBUTIONS]:
+def _distribution_of(module: str) -> tuple[str | None, str | None]:
+    """The installed distribution that provides ``module`` and its version."""
+    known = registry.known_distributions(module)
+    # deep_ep: a distribution whose RECORD lists it (some builds register as "deep_ep"), else
+    # any known name that is installed. A dotted module shares its top level (nccl4py owns
+    # nccl.core beside nccl.ep), so only the known names tell.
+    names = [*_facts.providers_of(module), *KNOWN_DISTRIBUTIONS] if module == MODULE else known
+    for name in names:
         found = _facts.dist_version(name)
         if found:
             return found
     return None, None
 
 
-def detect_installed() -> Installed:
-    """Identify the ``deep_ep`` provider from metadata and layout; never imports it."""
-    package_dir = _facts.module_dir(MODULE)
-    dist_name, version = _distribution_of()
+def detect_module(module: str = MODULE) -> Installed:
+    """Identify the provider of ``module`` from metadata and layout; never imports it."""
+    package_dir = _facts.module_dir(module)
+    dist_name, version = _distribution_of(module)
     if package_dir is None:
-        reason = "no module named deep_ep on sys.path"
+        reason = f"no module named {module} on sys.path"
         if dist_name:
             reason += f" (distribution {dist_name} {version} is registered but its files are gone)"
-        return Installed(None, None, dist_name, version, None, reason)
+        return Installed(None, None, dist_name, version, None, reason, module=module)
 
-    layout = backend_from_layout(package_dir)
+    markers = dict(registry.layout_markers(module))
+    layout = backend_from_layout(package_dir, module)
     by_dist = backend_from_distribution(dist_name, version or "") if dist_name else None
     # A layout that also ships other backends' markers (the hybrid-ep branch) is not reported as
     # a mismatch: such builds are registered under several names.
@@ -140,14 +143,12 @@ def detect_installed() -> Installed:
         )
     elif layout:
         reason = f"{dist_name or 'unregistered files'} {version or ''}".strip()
-        reason += f"; layout of {layout} ({dict(MARKERS)[layout]})"
+        reason += f"; layout of {layout} ({markers[layout]})"
     elif by_dist:
         layout = by_dist
         reason = f"{dist_name} {version} (no known marker file in {package_dir})"
     else:
-        reason = (
-            f"deep_ep at {package_dir} has no known layout (no {', '.join(dict(MARKERS).values())})"
-        )
+        reason = f"{module} at {package_dir} has no known layout (no {', '.join(markers.values())})"
 
     direct_url = _facts.dist_direct_url(dist_name) if dist_name else None
     upstream, commit, commit_source = provenance(dist_name, version, direct_url)
@@ -162,7 +163,27 @@ def detect_installed() -> Installed:
         build_info=build_info,
         upstream=upstream,
         commit_source=commit_source,
+        module=module,
     )
+
+
+def detect_installed(backend: str | None = None) -> Installed:
+    """What provides ``backend``'s module here, or, without one, the backend to check: the only
+    one installed; of several (backends that ship different modules may share an environment),
+    the default one if installed, else the first in the registry's order, saying which others
+    are there. Nothing installed: the ``deep_ep`` verdict (no module named deep_ep)."""
+    if backend in BACKEND_NAMES:
+        return detect_module(registry.spec(backend).module)
+    found = [d for d in map(detect_module, registry.modules()) if d.module_dir is not None]
+    if not found:
+        return detect_module(MODULE)
+    chosen = next((d for d in found if d.backend == registry.DEFAULT_BACKEND), found[0])
+    others = [d for d in found if d is not chosen]
+    if others:
+        chosen.reason += "; also installed: " + ", ".join(
+            f"{d.backend or 'an unknown ' + d.module} ({d.module})" for d in others
+        )
+    return chosen
 
 
 @dataclasses.dataclass
@@ -269,9 +290,10 @@ def undefined_symbol(output: str) -> str | None:
 
 
 def classify_import_failure(
-    backend: str, output: str, returncode: int, gpu_visible: bool
+    backend: str, output: str, returncode: int, gpu_visible: bool, module: str = MODULE
 ) -> tuple[Status, str, str]:
-    """Turn a failed ``import deep_ep`` into (status, one-line detail, fix).
+    """Turn a failed ``import <module>`` (``deep_ep``, ``nccl.ep``) into (status, one-line
+    detail, fix).
 
     Known causes get a precise fix; an unknown failure on a machine without a GPU is a skip
     (5), since DeepEP builds need a GPU to load; anything else is "unusable" (3).
@@ -280,7 +302,7 @@ def classify_import_failure(
     last = one_line(last_error_line(output), 300)
     if returncode < 0:
         sig = ImportTrial(False, returncode, output, 0).signal_name
-        detail = f"import {MODULE} killed the process ({sig}); last output: {last}"
+        detail = f"import {module} killed the process ({sig}); last output: {last}"
         hint = (
             "the import aborted the interpreter; with DeepEP v2 this is usually its NCCL "
             "check (two libnccl loaded, or a different one than it was linked against). " + NCCL_FIX
@@ -291,7 +313,7 @@ def classify_import_failure(
         torch = (_facts.dist_version("torch") or ("torch", "unknown"))[1]
         return (
             Status.ERROR,
-            f"import {MODULE} failed: {last}",
+            f"import {module} failed: {last}",
             f"the backend's extension was built against another torch than this venv's torch "
             f"{torch} (it needs {symbol}, which this torch does not export): reinstalling the "
             "same build cannot help. Build it from source against this torch (scripts/"
@@ -299,50 +321,50 @@ def classify_import_failure(
             "that declares this torch in its requirements",
         )
     if "ncclCommQueryProperties" in text or ("undefined symbol" in text and "nccl" in text.lower()):
-        return Status.ERROR, f"import {MODULE} failed: {last}", NCCL_FIX
+        return Status.ERROR, f"import {module} failed: {last}", NCCL_FIX
     if "Duplicate NCCL runtime" in text or "Invalid NCCL versions" in text:
         return (
             Status.ERROR,
-            f"import {MODULE} failed: {last}",
+            f"import {module} failed: {last}",
             "two different libnccl are loaded: " + NCCL_FIX + "; EP_SUPPRESS_NCCL_CHECK=1 "
             "silences the check but not the mismatch",
         )
     if "undefined symbol" in text and "nvshmem" in text.lower():
         return (
             Status.ERROR,
-            f"import {MODULE} failed: {last}",
+            f"import {module} failed: {last}",
             "the extension was built against another NVSHMEM (or one without IBGDA): install "
             "the nvidia-nvshmem-cu13 version it was built with, or rebuild the backend",
         )
     if "requires CUDA" in text and "PyTorch uses CUDA" in text:
         return (
             Status.ERROR,
-            f"import {MODULE} failed: {last}",
+            f"import {module} failed: {last}",
             "the backend wheel and torch target different CUDA majors: install the torch "
             "build for the backend's CUDA (cu130 for the pinned wheels)",
         )
     if "No module named 'deep_ep_cpp'" in text or "No module named 'deep_ep._C'" in text:
         return (
             Status.ERROR,
-            f"import {MODULE} failed: {last}",
+            f"import {module} failed: {last}",
             "the compiled extension is missing: the backend build failed or targets another "
             f"Python; reinstall it ({INSTALL_HINTS.get(backend, 'reinstall the backend')})",
         )
     if not gpu_visible:
         return (
             Status.SKIP,
-            f"{MODULE} is installed but does not load without a GPU: {last}",
+            f"{module} is installed but does not load without a GPU: {last}",
             "no GPU visible: run on a GPU node or pass --backend torch",
         )
     if "assert cuda_home is not None" in text or "CUDA_HOME" in text:
         return (
             Status.ERROR,
-            f"import {MODULE} failed: {last}",
+            f"import {module} failed: {last}",
             "CUDA home not found: set CUDA_HOME to a CUDA 13 toolkit with nvcc; DeepEP v2 "
             "JIT-compiles its kernels at run time",
         )
     return (
         Status.ERROR,
-        f"import {MODULE} failed: {last}",
+        f"import {module} failed: {last}",
         f"read the error above; reinstall the backend ({INSTALL_HINTS.get(backend, '')})",
     )

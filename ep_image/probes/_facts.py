@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,25 @@ def mapped_libraries(pattern: str, maps_text: str | None = None) -> list[str]:
     return [path for path in parse_maps(maps_text) if regex.search(os.path.basename(path))]
 
 
+def is_cuda_home(path: Path) -> bool:
+    """A CUDA toolkit's root: it holds the runtime's headers, which every CUDA build needs."""
+    return (path / "include" / "cuda_runtime.h").is_file()
+
+
+def nvcc_own_dir(nvcc: str) -> Path | None:
+    """The directory the nvcc that ``nvcc`` runs lives in, as nvcc itself reports it
+    (``_HERE_`` of ``nvcc -dryrun``), so that a wrapper script elsewhere is seen through."""
+    try:
+        proc = subprocess.run(
+            [nvcc, "-dryrun", "-E", "-x", "cu", os.devnull],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"^#\$ _HERE_=(.+)$", proc.stdout + proc.stderr, re.M)
+    return Path(match.group(1).strip()) if match else None
+
+
 def cuda_home() -> tuple[str | None, str]:
     """The CUDA toolkit directory and how it was found, the way DeepEP v2 looks for it.
 
@@ -197,6 +217,33 @@ def cuda_home() -> tuple[str | None, str]:
     if Path("/usr/local/cuda").is_dir():
         return "/usr/local/cuda", "/usr/local/cuda"
     return None, "not found"
+
+
+def toolkit_home() -> tuple[str | None, str]:
+    """The CUDA toolkit this environment has, and how it was found: what a report names.
+
+    Order: ``CUDA_HOME``, ``CUDA_PATH``, then the toolkit of ``nvcc`` on PATH: the parent of
+    its bin/ through symbolic links, or, where that holds no include/cuda_runtime.h (a wrapper
+    script in /usr/local/bin), the directory nvcc itself reports; then ``/usr/local/cuda``.
+    :func:`cuda_home` is the lookup a JIT backend makes, which takes the wrapper's parent:
+    ``found_by`` says when the two differ and that ``CUDA_HOME`` is the fix.
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(var)
+        if value:
+            return value, var
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        home = Path(os.path.realpath(nvcc)).parent.parent
+        if is_cuda_home(home):
+            return str(home), "nvcc on PATH"
+        own = nvcc_own_dir(nvcc)
+        if own is not None and is_cuda_home(own.parent):
+            return str(own.parent), (
+                f"nvcc on PATH: {nvcc} runs {own / 'nvcc'} (builds and JIT backends that take "
+                f"nvcc's parent as the CUDA home need CUDA_HOME={own.parent})"
+            )
+    return cuda_home()
 
 
 def nvcc_version(home: str | None) -> tuple[str | None, str | None]:
@@ -329,9 +376,27 @@ TE_DISTRIBUTIONS = (
 )
 
 
-def te_build_info_path(flag: str | None = None) -> str:
-    """Where build_te.py's te-build.json is: the flag, ``EP_TE_BUILD_INFO``, default."""
-    return flag or os.environ.get("EP_TE_BUILD_INFO") or DEFAULT_TE_BUILD_INFO
+def te_build_info_candidates(prefix: str | None = None) -> list[str]:
+    """Where a te-build.json is looked for when none is named: in the directory that holds this
+    venv (``<prefix>/te-build.json``, where the image keeps it for its venvs), then the image's
+    own path, for a Python outside ``/opt/venvs`` in the image."""
+    beside = str(Path(prefix or sys.prefix).parent / "te-build.json")
+    return list(dict.fromkeys([beside, DEFAULT_TE_BUILD_INFO]))
+
+
+def te_build_info_path(flag: str | None = None, prefix: str | None = None) -> str | None:
+    """Where build_te.py's te-build.json is: the flag, ``EP_TE_BUILD_INFO``, else the first of
+    :func:`te_build_info_candidates` that exists; None when there is none."""
+    named = flag or os.environ.get("EP_TE_BUILD_INFO")
+    if named:
+        return named
+    return next((p for p in te_build_info_candidates(prefix) if Path(p).is_file()), None)
+
+
+def no_te_build_info() -> str:
+    """What to say where no te-build.json was named and none was found."""
+    looked = ", ".join(te_build_info_candidates())
+    return f"no te-build.json (looked at {looked}; --te-build-info or EP_TE_BUILD_INFO names one)"
 
 
 def read_json_file(path: str) -> dict[str, Any] | None:

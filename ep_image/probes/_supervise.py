@@ -39,7 +39,8 @@ class Outcome:
     """How the supervised child ended.
 
     ``how``: ``finished`` (it returned a verdict), ``signal`` (killed by one), ``exit`` (it
-    exited without a verdict), ``hang`` (a step outran the deadline), ``error`` (the probe's
+    exited without a verdict), ``hang`` (a step outran the deadline), ``stall`` (it stopped
+    making progress in a step its peers finished: ``Watch.stalled``), ``error`` (the probe's
     own code raised, most often a collective that lost a peer), ``stopped`` (ended because
     another rank failed or the launcher sent SIGTERM).
     """
@@ -72,6 +73,8 @@ class Outcome:
             "seconds_in_step": round(self.seconds_in_step, 3),
             "where": self.where,
             "error": self.progress.get("error", ""),
+            "call": self.progress.get("call"),
+            "stall": self.progress.get("stall"),
         }
 
 
@@ -139,6 +142,10 @@ class Watch:
     peer_failed: Callable[[], bool] = lambda: False
     #: Seconds to let the child end by itself once a peer failed (its collectives may error).
     peer_grace: float = 2.0
+    #: Called with the child's breadcrumb every ``stall_every`` seconds; returns what to report
+    #: when the child stopped making progress in a step its peers finished (None: it did not).
+    stalled: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+    stall_every: float = 0.5
 
 
 def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outcome:
@@ -207,6 +214,7 @@ def _watch_child(
     (stopping can interrupt a blocking call and let the child run on a little).
     """
     peer_since: float | None = None
+    next_stall_check = time.monotonic() + watch.stall_every
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         state = _read_json(crumb)
@@ -217,6 +225,11 @@ def _watch_child(
             return "stopped", _stop(pid, crumb, dump=False), in_step, state
         if watch.step_deadline is not None and in_step > watch.step_deadline:
             return "hang", _stop(pid, crumb, dump=True), in_step, state
+        if watch.stalled is not None and time.monotonic() >= next_stall_check:
+            next_stall_check = time.monotonic() + watch.stall_every
+            stall = watch.stalled(state)
+            if stall is not None:
+                return "stall", _stop(pid, crumb, dump=True), in_step, {**state, "stall": stall}
         if peer_since is None and watch.peer_failed():
             peer_since = time.monotonic()
         if peer_since is not None and time.monotonic() - peer_since > watch.peer_grace:
@@ -252,7 +265,7 @@ def _seconds_in_step(state: dict[str, Any]) -> float:
 
 def _outcome(how: str, status: int, state: dict[str, Any], fault: str, seconds: float) -> Outcome:
     code = os.waitstatus_to_exitcode(status)
-    if how in ("hang", "stopped"):
+    if how in ("hang", "stopped", "stall"):
         return Outcome(how, 3, state, fault, seconds_in_step=seconds)
     if code < 0:
         try:

@@ -18,7 +18,7 @@ Verdict = tuple[Status, str, str, dict[str, Any]]
 
 
 def compare_cudnn(
-    build_info: dict[str, Any] | None, build_info_path: str, loaded: dict[str, Any]
+    build_info: dict[str, Any] | None, build_info_path: str | None, loaded: dict[str, Any]
 ) -> Verdict:
     """Judge the loaded cuDNN against te-build.json: (status, detail, hint, data).
 
@@ -61,8 +61,9 @@ def compare_cudnn(
     if build_info is None:
         return (
             Status.INFO,
-            f"loaded cuDNN {loaded['version']} from {loaded['path']}; no build record at "
-            f"{build_info_path}, so the built-against version is unknown",
+            f"loaded cuDNN {loaded['version']} from {loaded['path']}; "
+            + (f"no build record at {build_info_path}" if build_info_path else "no te-build.json")
+            + ", so the built-against version is unknown",
             "pass --te-build-info or set EP_TE_BUILD_INFO (python3 scripts/build_te.py "
             "writes te-build.json beside the TE wheel)",
             data,
@@ -155,12 +156,12 @@ def with_library_mix(verdict: Verdict, libs: dict[str, Any]) -> Verdict:
     return Status.FAIL, mix_detail, mix_hint, data
 
 
-def step_cudnn(build_info_path: str) -> Step:
+def step_cudnn(build_info_path: str | None) -> Step:
     """The cudnn step: compare_cudnn's verdict, then torch's refusal, then a mix of releases,
     each overriding the one before, as the later cause explains the earlier symptom."""
     with timed_step("cudnn") as step:
         refusal = torch_loads_cudnn()
-        info = _facts.read_json_file(build_info_path)
+        info = _facts.read_json_file(build_info_path) if build_info_path else None
         verdict = compare_cudnn(info, build_info_path, _facts.loaded_cudnn())
         verdict = with_torch_refusal(verdict, refusal)
         status, detail, hint, data = with_library_mix(verdict, _cudnn_libs.survey())

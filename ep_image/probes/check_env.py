@@ -2,8 +2,8 @@
 """check_env: one manifest of what this environment holds, for bug reports and image records.
 
 Every EP or TE failure report starts with "which versions?"; this probe answers in one table and
-one JSON file, anywhere, without importing ``deep_ep`` or Transformer Engine. See docs/probes.md,
-section "check-env".
+one JSON file, anywhere, without importing the EP backend (``deep_ep``, ``nccl.ep``) or
+Transformer Engine. See docs/probes.md, section "check-env".
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from ep_image import backends as registry
 from ep_image import cli
 from ep_image.probes import _backend_detect, _facts, _venv_record
 from ep_image.probes._report import EXIT_OK, SCHEMA_VERSION, one_line, write_report
@@ -28,7 +30,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=(
             "Print (and with --json write) the versions this environment holds: Python, torch "
             "and its CUDA, Transformer Engine, cuDNN built-against and loaded, NCCL, NVSHMEM, "
-            "the EP backend with its version and commit, the GPU and driver, EP_BACKEND. "
+            "the EP backend with its version and commit (and its native library, where it has "
+            "one: path, release, the NCCL it binds to), the GPU and driver, EP_BACKEND. "
             "Absent things are null; the probe exits 0 whatever it finds."
         ),
     )
@@ -36,8 +39,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--te-build-info",
         metavar="PATH",
-        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else "
-        f"{_facts.DEFAULT_TE_BUILD_INFO})",
+        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
+        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     return parser.parse_args(argv)
 
@@ -57,14 +60,25 @@ def torch_section() -> tuple[dict[str, Any] | None, str | None]:
         return None, one_line(f"{type(exc).__name__}: {exc}")
 
 
+def backend_library(backend: str | None, module_dir: str | None) -> dict[str, Any] | None:
+    """What the backend's registry package reads of its native library (NCCL EP's
+    libnccl_ep.so: path, release, the libnccl.so.2 it binds to, its JIT's inputs), or None."""
+    if not backend or not module_dir:
+        return None
+    try:
+        return registry.backend_facts(backend, Path(module_dir)) or None
+    except Exception as exc:  # a fact to report, not a crash
+        return {"error": one_line(f"{type(exc).__name__}: {exc}")}
+
+
 def collect(te_build_info: str | None = None) -> dict[str, Any]:
     """Everything the manifest reports; each probe is independent and failure-tolerant."""
     torch_info, torch_error = torch_section()
     build_info_path = _facts.te_build_info_path(te_build_info)
-    build_info = _facts.read_json_file(build_info_path)
+    build_info = _facts.read_json_file(build_info_path) if build_info_path else None
     loaded = _facts.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
     installed = _backend_detect.detect_installed()
-    cuda_home, cuda_home_from = _facts.cuda_home()
+    cuda_home, cuda_home_from = _facts.toolkit_home()
     nvcc, nvcc_version = _facts.nvcc_version(cuda_home)
     te_dir = _facts.module_dir("transformer_engine")
     gpus = _facts.nvidia_smi()
@@ -118,6 +132,8 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
             "module_dir": installed.module_dir,
             "build_info": installed.build_info or None,
             "how": installed.reason,
+            "module": installed.module,
+            "library": backend_library(installed.backend, installed.module_dir),
         },
         "gpu": {
             "nvidia_smi": gpus,
@@ -160,9 +176,21 @@ def table(m: dict[str, Any]) -> str:
     te_text = _fmt(te_dist.get("version"))
     if te["module_dir"]:
         te_text += f" at {te['module_dir']}"
-    built_text = f"{_fmt(m['cudnn']['built'])} (from {te['build_info_path']}"
-    built_text += ")" if te["build_info"] else ": absent)"
+    if te["build_info_path"] is None:
+        built_text = f"null, {_facts.no_te_build_info()}"
+    else:
+        built_text = f"{_fmt(m['cudnn']['built'])} (from {te['build_info_path']}"
+        built_text += ")" if te["build_info"] else ": absent)"
     nccl, nvshmem = m["nccl"], m["nvshmem"]
+    library = ep.get("library") or {}
+    library_text = (
+        f"{_fmt(library.get('library'))} (release {_fmt(library.get('library_release'))}), "
+        + (
+            f"binds NCCL {_fmt(library.get('nccl_bound_release'))} {library['nccl_bound']}"
+            if library.get("nccl_bound")
+            else "the loader finds no libnccl.so.2 for it"
+        )
+    )
     nvshmem_text = f"wheel {dist_text(nvshmem['dist'])}, NVSHMEM_DIR {_fmt(nvshmem['NVSHMEM_DIR'])}"
     rows = [
         ("python", f"{m['python']['version']} ({m['python']['executable']})"),
@@ -175,6 +203,7 @@ def table(m: dict[str, Any]) -> str:
         ("nccl", f"torch {_fmt(nccl['torch_reports'])}, wheel {dist_text(nccl['dist'])}"),
         ("nvshmem", nvshmem_text),
         ("ep backend", _fmt(backend)),
+        *([("ep library", library_text)] if library else []),
         ("EP_BACKEND", _fmt(ep["EP_BACKEND"])),
         ("gpu", gpu_text),
         ("driver", _fmt(gpu["driver"])),

@@ -70,8 +70,8 @@ exit codes:
     parser.add_argument(
         "--te-build-info",
         metavar="PATH",
-        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else "
-        f"{_facts.DEFAULT_TE_BUILD_INFO})",
+        help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
+        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     parser.add_argument("--batch", type=int, default=2, help="attention batch (default: 2)")
     parser.add_argument("--seq", type=int, default=512, help="sequence length (default: 512)")
@@ -123,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
     torch_dist = _facts.dist_version("torch")
     versions["torch"] = torch_dist[1] if torch_dist else None
     versions["transformer_engine"] = imp.data.get("version")
-    versions["te_build_info"] = _facts.read_json_file(build_info_path)
+    versions["te_build_info"] = _facts.read_json_file(build_info_path) if build_info_path else None
     report = build_report("check_te", steps, code, require=bool(args.require), versions=versions)
     report["environment"] = _venv_record.environment_facts()
-    header = [f"te-build.json: {build_info_path}"]
+    header = [f"te-build.json: {build_info_path or _facts.no_te_build_info()}"]
     print(render_table("check_te", header, steps, code), flush=True)
     if args.json:
         write_report(args.json, report)

@@ -48,7 +48,7 @@ from ep_image.probes._report import write_json_atomic
 
 PROG = "upstream_test"
 
-#: MoE layer shapes of the seeds' models: tokens per rank, hidden, experts, top-k.
+#: MoE layer shapes of the models these backends train: tokens per rank, hidden, experts, top-k.
 SHAPES = {
     "deepseek-v3": (4096, 7168, 256, 8),
     "qwen3-30b-a3b": (4096, 2048, 128, 8),

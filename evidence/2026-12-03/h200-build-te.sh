@@ -2,7 +2,7 @@
 # On the H200 machine (started by h200-setup.sh): Transformer Engine built from its pinned
 # source by scripts/build_te.py, in a throwaway venv from uv.lock (the lock's torch 2.14.1 and
 # cuDNN 9.24), for sm_90. Writes /tmp/bg/te.status when done.
-cd "$(dirname "$0")/../../.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 bg=/tmp/bg B=/tmp/carry
 # shellcheck source=/dev/null
 . "$B/env.sh"

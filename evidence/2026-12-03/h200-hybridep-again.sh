@@ -2,7 +2,7 @@
 # HybridEP again, compiled with the system's gcc/g++: the machine's CUDAHOSTCXX and /opt/gcc
 # link libstdc++ statically (check_ep's SIGSEGV verdict names it). The old build leaves uv's
 # cache first (the build key holds no compiler), then the probes of h200-probes-2.sh.
-cd "$(dirname "$0")/../../.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 # shellcheck source=/dev/null
 . /tmp/carry/env.sh
 unset CUDAHOSTCXX
@@ -13,4 +13,4 @@ start=$(date +%s)
     --prefix /tmp/venvs --python "$py"; } > /tmp/bg/hybridep-again.log 2>&1
 echo "rc=$? $(( $(date +%s) - start ))s" > /tmp/bg/hybridep-again.status
 rm -f /tmp/r/probes-2.done
-bash docs/results/2026-12-03/h200-probes-2.sh
+bash evidence/2026-12-03/h200-probes-2.sh

@@ -1,9 +1,9 @@
 #!/bin/bash
 # The upstream tests need numpy, which no backend venv holds: it comes from the lock's cache into
 # an overlay directory on PYTHONPATH for the upstream tests alone (the venvs stay as built).
-cd "$(dirname "$0")/../../.." || exit 2
-# shellcheck source=docs/results/2026-12-03/h200-common.sh
-. docs/results/2026-12-03/h200-common.sh
+cd "$(dirname "$0")/../.." || exit 2
+# shellcheck source=evidence/2026-12-03/h200-common.sh
+. evidence/2026-12-03/h200-common.sh
 py=$(cat /tmp/carry/python)
 # numpy 2.5.5 (the lock's, for TE), unpacked in uv's cache: a site directory as it stands.
 PYTHONPATH=$(dirname "$(ls -d /tmp/carry/uv/archive-v0/*/numpy-2.5.5.dist-info)")

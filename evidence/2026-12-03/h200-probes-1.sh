@@ -1,9 +1,9 @@
 #!/bin/bash
 # DeepEP v1 (2 and 4 ranks sharing the GPU) and DeepEP v2 (1 rank, GIN on and off, the
 # default wheel and the pinned upstream commit), each beside its own upstream test.
-cd "$(dirname "$0")/../../.." || exit 2
-# shellcheck source=docs/results/2026-12-03/h200-common.sh
-. docs/results/2026-12-03/h200-common.sh
+cd "$(dirname "$0")/../.." || exit 2
+# shellcheck source=evidence/2026-12-03/h200-common.sh
+. evidence/2026-12-03/h200-common.sh
 V1=/tmp/venvs/deepep_v1/bin/python V2=/tmp/venvs/deepep_v2/bin/python P=/tmp/pinned/deepep_v2/bin/python
 v1() {
   run deepep_v1-w2-deepseek-v3 "$V1" probes/check_ep.py --backend deepep_v1 --nproc-per-node 2 \

@@ -1,9 +1,9 @@
 #!/bin/bash
 # HybridEP (2 and 4 ranks sharing the GPU, its JIT cache cold then warm) beside its upstream
 # test, once h200-setup.sh's background build has made its venv.
-cd "$(dirname "$0")/../../.." || exit 2
-# shellcheck source=docs/results/2026-12-03/h200-common.sh
-. docs/results/2026-12-03/h200-common.sh
+cd "$(dirname "$0")/../.." || exit 2
+# shellcheck source=evidence/2026-12-03/h200-common.sh
+. evidence/2026-12-03/h200-common.sh
 H=/tmp/venvs/hybridep/bin/python
 export EP_HYBRIDEP_JIT_CACHE=/tmp/jit-hybridep
 hyb() {

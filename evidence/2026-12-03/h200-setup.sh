@@ -6,7 +6,7 @@
 # HybridEP is compiled here, and Transformer Engine by scripts/build_te.py, both in the
 # background (setsid: they outlive this call) while the probes of the first venvs run.
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 parts=/tmp/parts B=/tmp/carry out=${OUT:-/tmp/out} bg=/tmp/bg
 mkdir -p "$B" "$out" "$bg"
 start=$(date +%s)
@@ -48,5 +48,5 @@ echo "make_venv (deepep_v1, deepep_v2, deepep_v2_pinned): $(( $(date +%s) - t ))
 setsid bash -c "t=\$(date +%s); MAX_JOBS=10 '$py' scripts/make_venv.py --backend hybridep \
   --prefix /tmp/venvs --python '$py' > $bg/hybridep.log 2>&1; \
   echo \"rc=\$? \$(( \$(date +%s) - t ))s\" > $bg/hybridep.status" < /dev/null > /dev/null 2>&1 &
-setsid bash docs/results/2026-12-03/h200-build-te.sh < /dev/null > /dev/null 2>&1 &
+setsid bash evidence/2026-12-03/h200-build-te.sh < /dev/null > /dev/null 2>&1 &
 tail -3 "$out/setup.log"

@@ -2,9 +2,9 @@
 # On the H200 machine, once h200-build-te.sh has built the TE wheel: the deepep_v2 venv made
 # again by scripts/make_venv.py from uv.lock with that wheel, then check_te (fused attention
 # forward and backward on the cuDNN that venv loads) and check_env from its python.
-cd "$(dirname "$0")/../../.." || exit 2
-# shellcheck source=docs/results/2026-12-03/h200-common.sh
-. docs/results/2026-12-03/h200-common.sh
+cd "$(dirname "$0")/../.." || exit 2
+# shellcheck source=evidence/2026-12-03/h200-common.sh
+. evidence/2026-12-03/h200-common.sh
 py=$(cat /tmp/carry/python)
 te=$(ls /tmp/te/transformer_engine-*.whl)
 UV_CACHE_DIR=/tmp/carry/uv UV_OFFLINE=1 run make_venv-te "$py" scripts/make_venv.py \

@@ -1,9 +1,9 @@
 #!/bin/bash
 # DeepEP v1 again, after uv.lock gained numpy in its extra: its venv made again from the new lock
 # by scripts/make_venv.py (offline; the build is the cache's), then check_ep at 2 and 4 ranks.
-cd "$(dirname "$0")/../../.." || exit 2
-# shellcheck source=docs/results/2026-12-03/h200-common.sh
-. docs/results/2026-12-03/h200-common.sh
+cd "$(dirname "$0")/../.." || exit 2
+# shellcheck source=evidence/2026-12-03/h200-common.sh
+. evidence/2026-12-03/h200-common.sh
 py=$(cat /tmp/carry/python)
 UV_CACHE_DIR=/tmp/carry/uv UV_OFFLINE=1 run make_venv-deepep_v1-relocked "$py" \
   scripts/make_venv.py --backend deepep_v1 --prefix /tmp/venvs --python "$py"

@@ -8,8 +8,15 @@
 cd "$(dirname "$0")" || exit 2
 R=/tmp/rootfs J=/mnt/reports U=/mnt/upstream
 V2=dd758caf451848bd150e1046af3d0a73e5fff38d
-ps -eo pid,etimes,args | grep "[c]heck_te" > /tmp/r/check_te-stopped.txt
-pkill -f check_te.py; sleep 2; pkill -9 -f check_te.py
+# shellcheck disable=SC2009  # the listing keeps each process's elapsed seconds; pgrep has none
+ps -eo pid,etimes,args | grep "[c]heck_te\.py" > /tmp/r/check_te-stopped.txt
+# Those listed, by their process ids: TERM, then KILL whichever is still there 2 s later.
+mapfile -t pids < <(awk '{print $1}' /tmp/r/check_te-stopped.txt)
+if [ "${#pids[@]}" -gt 0 ]; then
+  kill "${pids[@]}" 2>/dev/null
+  sleep 2
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -9 "$pid"; done
+fi
 install -m 0755 /tmp/img/cuobjdump "$R/usr/local/cuda-13.0/bin/cuobjdump"
 run() { ./h200-in-image.sh "$@"; }
 lane_v2() {

@@ -22,8 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The legacy-builder stage, its comment to the next stage's (a placeholder, read in main).
+#: Placeholders, read from the Dockerfile when the breaks are made: the legacy-builder stage
+#: (its comment to the next stage's), and the line above `final` that lists the EP values.
 LEGACY_STAGE = "<legacy-builder stage>"
+VALUES_LINE = "<valid EP values line>"
 #: (file, text, replacement, count, the test it must make fail, what the break is)
 BREAKS = [
     (".dockerignore", "\nvenvs\n", "\n", 1,
@@ -32,8 +34,7 @@ BREAKS = [
     ("docker/Dockerfile", LEGACY_STAGE, "", 1,
      "test_the_legacy_builder_stage_comes_first_and_nothing_needs_it",
      "no legacy-builder stage"),
-    ("docker/Dockerfile", "# valid EP values: deepep_v1, deepep_v2, hybridep, all\n",
-     "# EP: one backend or all\n", 1,
+    ("docker/Dockerfile", VALUES_LINE, "# EP: one backend or all\n", 1,
      "test_the_ep_values_above_final_are_the_registrys",
      "the line above `final` no longer lists the EP values"),
     ("docker/Dockerfile", "FROM venvs-common AS ep-deepep_v2\nARG VENV_SKIP_PACKAGES\n",
@@ -89,6 +90,8 @@ def apply_breaks(copy: Path) -> None:
         text = path.read_text()
         if old == LEGACY_STAGE:
             old = legacy_stage(text)
+        elif old == VALUES_LINE:
+            old = next(ln for ln in text.splitlines(True) if ln.startswith("# valid EP values: "))
         if text.count(old) != count:
             sys.exit(f"mutations: {name} holds {text.count(old)} of {old!r}, not {count}: {what}")
         path.write_text(text.replace(old, new))

@@ -20,6 +20,8 @@ SPEC = BackendSpec(
     upstream_test="test_hybrid_ep.py",
     upstream_shape="env",
     reads_build_variables=True,
+    # Read by this package's jit_cache (HybridEP itself compiles into a per-process directory).
+    jit_cache=("EP_HYBRIDEP_JIT_CACHE", "hybrid_ep"),
     build_hint=(
         "compiled from its pinned git commit, multi-node (HYBRID_EP_MULTINODE=1): needs git "
         "access to the commit and its NVIDIA/nccl submodule (GitHub, or a mirror through "

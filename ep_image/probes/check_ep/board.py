@@ -59,6 +59,23 @@ class Board:
         except Exception:  # the board is best effort: rank 0 may already be gone
             pass
 
+    def arrivals(self, agreement: int) -> dict[int, dict[str, Any]]:
+        """The ranks that reached ``agreement`` so far, with their arrival (``ranks.arrive``)."""
+        import torch.distributed as dist
+
+        # The ranks write through a PrefixStore of this prefix (ranks.connect_store), which
+        # joins prefix and key its own way: read through one too.
+        view = dist.PrefixStore(self.prefix, self.store)
+        found: dict[int, dict[str, Any]] = {}
+        for rank in range(self.world):
+            key = f"agree/{agreement}/{rank}"
+            try:
+                if view.check([key]):
+                    found[rank] = json.loads(view.get(key))
+            except Exception:  # the board is best effort: a peer's store may be gone
+                return found
+        return found
+
     def failures(self) -> int:
         """How many ranks have posted a failure so far."""
         try:

@@ -57,10 +57,14 @@ def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:
                     data,
                 )
             if rt.env.local_rank == 0:
-                trial = _backend_detect.trial_import(timeout=rt.timeout * 0.8)
+                trial = _backend_detect.trial_import(inst.module, timeout=rt.timeout * 0.8)
                 if not trial.ok:
                     status, detail, hint = _backend_detect.classify_import_failure(
-                        sel.name, trial.output, trial.returncode, torch.cuda.is_available()
+                        sel.name,
+                        trial.output,
+                        trial.returncode,
+                        torch.cuda.is_available(),
+                        inst.module,
                     )
                     data["import_output_tail"] = trial.output[-2000:]
                     raise StepFailed(status, detail, hint, data)
@@ -109,7 +113,8 @@ Problems = list[tuple[Status, str, str]]
 
 def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
     """GPU placement, world size, CUDA home and the tools JIT backends run from it, NCCL and
-    NVSHMEM.
+    NVSHMEM, and what the backend itself names (``EPBackend.prerequisites``: NCCL EP's JIT
+    compiler and headers).
 
     Every fact is gathered first, so the report shows all of them even when one problem
     ends the step; the most severe problem decides its status.
@@ -129,6 +134,7 @@ def step_prerequisites(rt: Runtime, backend: EPBackend) -> Step:
             _check_cuda_home(backend, data, notes, problems)
         _check_jit_cache(backend, data, notes, problems)
         _check_nccl(rt, backend, data, notes, problems)
+        _check_backend(backend, data, notes, problems)
         _report_nvshmem(backend, data, notes)
         _report_cxx_runtime(backend, data, notes)
         step.data = data
@@ -202,8 +208,8 @@ def _check_jit_cache(
                 f"{backend.name} loads its JIT kernels from {where}, and {why}: kernels planted "
                 "there would run in this job",
                 "chown the path named to this user (or root) and chmod go-w it, or remove it "
-                "(its kernels are compiled again), or point EP_JIT_CACHE_DIR at a directory "
-                "only you (or root) can write",
+                f"(its kernels are compiled again), or point {backend.jit_cache_variable} at a "
+                "directory only you (or root) can write",
             )
         )
 
@@ -322,6 +328,19 @@ def _check_nccl(
                 _backend_detect.NCCL_FIX,
             )
         )
+
+
+def _check_backend(
+    backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
+) -> None:
+    """The backend's own prerequisites (``EPBackend.prerequisites``), after the common ones."""
+    if not backend.requires_gpu:
+        return
+    facts, own = backend.prerequisites()
+    data.update(facts)
+    problems.extend(own)
+    if own:
+        notes.append(f"{len(own)} {backend.name} prerequisite(s) not met")
 
 
 def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) -> None:

@@ -9,7 +9,7 @@ defaults); both apply these rules, without torch.
 from __future__ import annotations
 
 from ep_image.cli import UsageError
-from ep_image.probes.check_ep.types import Options
+from ep_image.probes.check_ep.types import RunOptions
 
 #: Default layer shape: a DeepSeek-V3-like MoE layer on GPU, a small one on CPU.
 GPU_DEFAULTS = {"tokens": 4096, "hidden": 7168, "experts": 256, "topk": 8}
@@ -45,9 +45,15 @@ def validate_shape(
         raise UsageError(f"world size {world} is above the probe's limit of {MAX_RANKS} ranks")
 
 
-def layer_sizes(options: Options, on_gpu: bool, world: int) -> dict[str, int]:
+def layer_sizes(
+    options: RunOptions,
+    on_gpu: bool,
+    world: int,
+    gpu_defaults: dict[str, int] = GPU_DEFAULTS,
+    cpu_defaults: dict[str, int] = CPU_DEFAULTS,
+) -> dict[str, int]:
     """The flags' sizes, each one not given taken from the device's defaults, checked."""
-    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    defaults = gpu_defaults if on_gpu else cpu_defaults
     given = {
         "tokens": options.tokens,
         "hidden": options.hidden,

@@ -14,6 +14,7 @@ from typing import Any
 
 from ep_image.probes import _facts, _supervise, _venv_record
 from ep_image.probes._report import (
+    EXIT_FAILED,
     EXIT_UNUSABLE,
     Status,
     Step,
@@ -23,7 +24,7 @@ from ep_image.probes._report import (
 )
 from ep_image.probes._supervise import Outcome
 from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
-from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, Selection, not_run
+from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, not_run
 
 
 def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str]:
@@ -50,7 +51,8 @@ def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str
 
 
 def finish(
-    options: Options,
+    kind: ProbeKind,
+    options: RunOptions,
     env: RankEnv,
     sel: Selection,
     steps: list[Step],
@@ -71,7 +73,7 @@ def finish(
     # interpreter and imports; rank 0 is the one that writes the report).
     extra.setdefault("environment", _venv_record.environment_facts())
     report = build_report(
-        PROG,
+        kind.prog,
         steps,
         code,
         backend=sel.name,
@@ -80,11 +82,11 @@ def finish(
         nodes=env.nodes,
         require=bool(options.require),
         versions=versions,
-        numbers=numbers(steps),
+        numbers=kind.numbers(steps),
         **meta,
         **extra,
     )
-    print(render_table(PROG, header_lines(sel, env, meta), steps, code), flush=True)
+    print(render_table(kind.prog, kind.header(sel, env, meta), steps, code), flush=True)
     if options.json:
         write_report(options.json, report)
     return code
@@ -122,6 +124,8 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
         out["precision_weights_calc_diff"] = prec.get(
             "max_weights_calc_diff", prec.get("weights_calc_diff")
         )
+    if "accumulation_checked" in prec:
+        out["precision_accumulation_checked"] = prec["accumulation_checked"]
     scen = by_name.get("scenarios", {})
     if scen.get("scenarios"):
         out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
@@ -134,6 +138,10 @@ def numbers(steps: list[Step]) -> dict[str, Any]:
             out[key] = value["mean"] if isinstance(value, dict) else value
     if band.get("shared_gpu"):
         out["bandwidth_note"] = SHARED_GPU_LABEL
+    slow = band.get("slow_path", {})
+    keys = ("dispatch_speedup_vs_reference", "combine_speedup_vs_reference")
+    keys += ("dispatch_peak_vs_payload", "combine_peak_vs_payload", "warnings")
+    out.update({f"slow_path_{k}": slow[k] for k in keys if k in slow})
     return out
 
 
@@ -160,6 +168,10 @@ _HINTS = {
     "JSON",
     "stopped": "the launcher stopped the job before any rank posted a failure (SIGTERM); "
     "look at the launcher's log for the first rank that exited",
+    "stall": "the stalled rank waits in a collective its peers never joined (a backend that "
+    "answered from a cache or skipped its communication on their side), or hangs in native code "
+    "after its last collective (its stack is above): run the backend's own tests here and "
+    "report it with this JSON",
 }
 
 
@@ -180,6 +192,24 @@ def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -
         return f"{step} did not finish within {deadline:g} s on {who}{where}"
     if outcome["how"] == "error":
         return f"{who} failed during {step}: {outcome.get('error')}"
+    if outcome["how"] == "stall":
+        found = outcome.get("stall") or {}
+        call = f" (in the backend's {found['call']})" if found.get("call") else ""
+        scenario = f" (scenario {found['scenario']})" if found.get("scenario") else ""
+        finished = found.get("finished", {})
+        text = (
+            f"rank {rank} stopped making progress in {found.get('step', step)}{call}{scenario} "
+            f"after ranks {[int(r) for r in finished]} finished that step: no progress for "
+            f"{found.get('waited')} s after them, past the bound of {found.get('bound')} s"
+        )
+        if found.get("peer_step_seconds") is not None:
+            text += f" (their step took {found['peer_step_seconds']} s)"
+        wrong = [
+            f"rank {r}: {a.get('detail')}" for r, a in finished.items() if a.get("status") == "fail"
+        ]
+        if wrong:
+            text += "; before it the backend returned wrong data: " + "; ".join(wrong)
+        return text
     if outcome["how"] == "raised":
         raised = outcome.get("raised") or {}
         waiting = raised.get("waiting", [])
@@ -195,7 +225,7 @@ def primary_failure(
     outcomes: dict[int, dict[str, Any]],
 ) -> tuple[int, dict[str, Any]] | None:
     """The failure to report: the earliest crash or exit, else a hang, an error, a stop."""
-    for kinds in (("signal", "exit", "raised"), ("hang",), ("error",), ("stopped",)):
+    for kinds in (("signal", "exit", "raised", "stall"), ("hang",), ("error",), ("stopped",)):
         found = [(o.get("time", 0.0), r, o) for r, o in outcomes.items() if o["how"] in kinds]
         if found:
             _, rank, outcome = min(found, key=lambda item: (item[0], item[1]))
@@ -204,7 +234,8 @@ def primary_failure(
 
 
 def report_unfinished(
-    options: Options,
+    kind: ProbeKind,
+    options: RunOptions,
     env: RankEnv,
     sel: Selection,
     own: Outcome,
@@ -217,16 +248,21 @@ def report_unfinished(
     hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
     if failure["how"] == "hang" and len(hung) > 1:
         detail += f" (ranks {hung} all hung there)"
-    current = failure.get("step") or STEP_NAMES[0]
+    names = kind.step_names
+    current = failure.get("step") or names[0]
     done = [Step.from_json(obj) for obj in own.progress.get("steps", [])]
-    index = STEP_NAMES.index(current) if current in STEP_NAMES else len(done)
+    index = names.index(current) if current in names else len(done)
     hint = _HINTS[failure["how"]]
-    if failure["how"] == "error" and current == STEP_NAMES[0]:
+    if failure["how"] == "error" and current == names[0]:
         hint = _HINTS["import_error"]
     raised = failure.get("raised") or {}
+    # A stall after the backend returned wrong data on the ranks that finished is a failed
+    # check (exit 1); one where nothing was wrong yet, a hang (3).
+    wrong_data = failure["how"] == "stall" and (failure.get("stall") or {}).get("wrong_data")
+    status, code = (Status.FAIL, EXIT_FAILED) if wrong_data else (Status.ERROR, EXIT_UNUSABLE)
     step = Step(
         current,
-        Status.ERROR,
+        status,
         seconds=float(raised.get("seconds", failure.get("seconds_in_step", 0.0))),
         detail=detail,
         hint=raised.get("hint") or hint,
@@ -248,10 +284,10 @@ def report_unfinished(
             "crash in iostream code (HybridEP did, in its buffer constructor). Rebuild it with "
             "the system compiler: CC=/usr/bin/gcc CXX=/usr/bin/g++"
         )
-    steps = [*done[:index], step, *(not_run(n, step) for n in STEP_NAMES[index + 1 :])]
+    steps = [*done[:index], step, *(not_run(n, step) for n in names[index + 1 :])]
     if own.fault_log:
         print(own.fault_log.rstrip(), file=sys.stderr)
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
     ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    return finish(options, env, sel, steps, meta, EXIT_UNUSABLE, rank_outcomes=ranks)
+    return finish(kind, options, env, sel, steps, meta, code, rank_outcomes=ranks)

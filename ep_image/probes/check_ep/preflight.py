@@ -15,12 +15,11 @@ import sys
 
 from ep_image import backends, cli
 from ep_image.probes._report import Status, Step
-from ep_image.probes.check_ep import layer
 from ep_image.probes.check_ep.ranks import decide_placement
-from ep_image.probes.check_ep.types import Options
+from ep_image.probes.check_ep.types import ProbeKind, RunOptions
 
 
-def torch_missing() -> Step | None:
+def torch_missing(kind: ProbeKind) -> Step | None:
     """The import step's verdict when this python cannot import torch (None when it can);
     found from the import system alone, without importing torch."""
     if importlib.util.find_spec("torch") is not None:
@@ -31,8 +30,8 @@ def torch_missing() -> Step | None:
         Status.MISSING,
         detail=f"torch is not installed in this python ({here}): the probe runs on torch",
         hint="run it with the python of an environment that holds the project: a venv made by "
-        f"scripts/make_venv.py (venvs/{backends.DEFAULT_BACKEND}/bin/python probes/check_ep.py), "
-        "the image's python, or uv run probes/check_ep.py after uv sync --extra "
+        f"scripts/make_venv.py (venvs/{backends.DEFAULT_BACKEND}/bin/python {kind.front_door}), "
+        f"the image's python, or uv run {kind.front_door} after uv sync --extra "
         f"{backends.DEFAULT_BACKEND}",
     )
 
@@ -45,7 +44,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_local_launch(options: Options, gpus: int) -> None:
+def check_local_launch(kind: ProbeKind, options: RunOptions, gpus: int) -> None:
     """Raise ``cli.UsageError`` for what the ``--nproc-per-node`` ranks would refuse: the
     layer shape on the device they will get (its defaults follow the device), and
     ``--device cuda`` without a GPU.
@@ -63,4 +62,4 @@ def check_local_launch(options: Options, gpus: int) -> None:
             for r in range(nproc)
         ]
         on_gpu = decide_placement(facts, 0, True, options.ranks_per_gpu).use_gpu
-    layer.layer_sizes(options, on_gpu, nproc)
+    kind.sizes(options, on_gpu, nproc)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ep_image.probes import _supervise
 from ep_image.probes._report import EXIT_USAGE, Status, Step, merge_exit_codes, one_line, worst
 
 SHARED_GPU_LABEL = "shared GPU: not a link figure"
@@ -327,7 +328,17 @@ def arrive(rt: Runtime, step: Step) -> None:
     if rt.store is None or rt.env.world == 1:
         return
     key = f"agree/{rt.agreements}/"
-    rt.store.set(f"{key}{rt.env.rank}", step.status.value)
+    # What this rank's supervisor and its peers' read to tell a peer that stopped making
+    # progress in this step (stall.py): when the step began here, when it ended, how.
+    arrival = {
+        "status": step.status.value,
+        "step": step.name,
+        "started": _supervise.progress.state.get("started"),
+        "arrived": time.time(),
+        "detail": one_line(step.detail, 300),
+    }
+    rt.store.set(f"{key}{rt.env.rank}", json.dumps(arrival))
+    _supervise.progress.update(agreed=rt.agreements)
     if step.status != Status.ERROR:
         return
     deadline = time.monotonic() + min(PEER_WAIT_SECONDS, rt.timeout)
@@ -348,6 +359,8 @@ def agree(
     gathered = all_gather_json(step.to_json(), rt.ctrl_group, rt.env.world)
     per_rank = [Step.from_json(obj) for obj in gathered]
     status = worst(s.status for s in per_rank)
+    if all(s.status == per_rank[0].status for s in per_rank):
+        status = per_rank[0].status  # every rank alike: "info" or "not run" stays what it is
     merged = Step(step.name, status, seconds=max(s.seconds for s in per_rank))
     if status in (Status.PASS, Status.INFO):
         merged.detail, merged.hint, merged.data = per_rank[0].detail, "", dict(per_rank[0].data)

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from ep_image.probes import _backend_detect
 from ep_image.probes._report import Status, Step
-from ep_image.probes.check_ep.types import Options, Selection
+from ep_image.probes.check_ep.types import RunOptions, Selection
 
 
-def select_backend(options: Options) -> Selection:
+def select_backend(options: RunOptions) -> Selection:
     """Resolve --backend against what is installed; a requested-but-absent one is MISSING."""
     if options.backend_class:
         return Selection("custom", f"--backend-class {options.backend_class}", None, custom=True)
     if options.backend == "torch":
         return Selection("torch", "requested", None)
-    installed = _backend_detect.detect_installed()
+    installed = _backend_detect.detect_installed(options.backend)
     if options.backend == "auto":
         if installed.module_dir is None:
             return Selection(
-                "torch", "auto: no deep_ep installed, using the torch reference", installed
+                "torch", "auto: no EP backend installed, using the torch reference", installed
             )
         if installed.backend is None:
             step = Step(
@@ -41,7 +41,7 @@ def select_backend(options: Options) -> Selection:
     else:
         detail = (
             f"{options.backend} requested but this environment holds "
-            f"{installed.backend or 'an unknown deep_ep'} ({installed.reason})"
+            f"{installed.backend or 'an unknown ' + installed.module} ({installed.reason})"
         )
     step = Step(
         "import", Status.MISSING, detail=detail, hint=_backend_detect.INSTALL_HINTS[options.backend]

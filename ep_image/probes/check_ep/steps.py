@@ -43,26 +43,40 @@ def guarded(name: str, check: Callable[[], Step]) -> Step:
         )
 
 
+def run_gate(
+    steps: list[Step], names: tuple[str, ...], name: str, check: Callable[[], Step]
+) -> bool:
+    """Run one gate step and append it to ``steps``; when it does not pass, the rest of
+    ``names`` are appended as "not run" and False comes back."""
+    begin(name, steps)
+    step = guarded(name, check)
+    step.hint = step.hint or _backend_detect.run_time_hint(step.detail)
+    steps.append(step)
+    if step.status != Status.PASS:
+        steps.extend(not_run(n, step) for n in names[len(steps) :])
+        return False
+    return True
+
+
+def run_gates(
+    rt: Runtime, sel: Selection, backend: EPBackend, shape: Shape, names: tuple[str, ...]
+) -> tuple[list[Step], bool]:
+    """The three gates every probe on a backend runs first (import, prerequisites, buffer):
+    the steps so far, and whether all three passed (else the rest of ``names`` are not run)."""
+    steps: list[Step] = []
+    passed = (
+        run_gate(steps, names, "import", lambda: step_import(rt, sel, backend))
+        and run_gate(steps, names, "prerequisites", lambda: step_prerequisites(rt, backend))
+        and run_gate(steps, names, "buffer", lambda: step_buffer(rt, backend, shape))
+    )
+    return steps, passed
+
+
 def run_steps(
     rt: Runtime, sel: Selection, backend: EPBackend, shape: Shape, options: Options
 ) -> list[Step]:
-    steps: list[Step] = []
-
-    def gate(name: str, check: Callable[[], Step]) -> bool:
-        begin(name, steps)
-        step = guarded(name, check)
-        step.hint = step.hint or _backend_detect.run_time_hint(step.detail)
-        steps.append(step)
-        if step.status != Status.PASS:
-            steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
-            return False
-        return True
-
-    if not (
-        gate("import", lambda: step_import(rt, sel, backend))
-        and gate("prerequisites", lambda: step_prerequisites(rt, backend))
-        and gate("buffer", lambda: step_buffer(rt, backend, shape))
-    ):
+    steps, passed = run_gates(rt, sel, backend, shape, STEP_NAMES)
+    if not passed:
         return steps
     begin("dispatch_combine", steps)
     with timed_step("dispatch_combine") as prep:

@@ -13,29 +13,51 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Any
 
 from ep_image.probes import _supervise
 from ep_image.probes._report import EXIT_UNUSABLE, Step, exit_code_of
-from ep_image.probes.check_ep import output, worker
+from ep_image.probes.check_ep import launch, output, preflight, stall, worker
 from ep_image.probes.check_ep.board import Board
 from ep_image.probes.check_ep.ranks import RankEnv
 from ep_image.probes.check_ep.selection import select_backend
-from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, not_run
+from ep_image.probes.check_ep.types import ProbeKind, RunOptions, not_run
 
 
-def report_verdict(options: Options, env: RankEnv, verdict: Step) -> int:
+def run(kind: ProbeKind, options: RunOptions, argv: list[str]) -> int:
+    """Start the local ranks (``--nproc-per-node``: ``argv`` again, without that flag), or be
+    one rank: its supervisor's exit code, which rank 0 also leaves for a local launcher.
+    What can be refused before any rank starts is refused first (``preflight``)."""
+    env = RankEnv.from_environ()
+    missing = preflight.torch_missing(kind)
+    if missing is not None:
+        if options.nproc_per_node:  # the ranks it would have started, on this one node
+            n = options.nproc_per_node
+            env = dataclasses.replace(env, world=n, local_world=n)
+        return report_verdict(kind, options, env, missing)
+    if options.nproc_per_node:
+        preflight.check_local_launch(kind, options, preflight.visible_gpus())
+        return launch.launch_local(options.nproc_per_node, kind.module, argv)
+    code = supervise(kind, options, env)
+    if env.rank == 0:
+        launch.write_exit_code(code)
+    return code
+
+
+def report_verdict(kind: ProbeKind, options: RunOptions, env: RankEnv, verdict: Step) -> int:
     """The table and report of a run that ends before any backend process starts, on
     ``verdict`` (the import step's: a backend or torch that is not installed)."""
     sel = select_backend(options)
-    steps = [verdict] + [not_run(n, verdict) for n in STEP_NAMES[1:]]
-    return output.finish(options, env, sel, steps, {}, exit_code_of(steps, options.require))
+    steps = [verdict] + [not_run(n, verdict) for n in kind.step_names[1:]]
+    code = exit_code_of(steps, options.require)
+    return output.finish(kind, options, env, sel, steps, {}, code)
 
 
-def supervise(options: Options, env: RankEnv) -> int:
+def supervise(kind: ProbeKind, options: RunOptions, env: RankEnv) -> int:
     """Run the backend in a watched child; report a crash, early exit or hang as exit 3."""
     sel = select_backend(options)
     if sel.verdict is not None:
-        return report_verdict(options, env, sel.verdict)
+        return report_verdict(kind, options, env, sel.verdict)
 
     if env.launched:
         # This process talks to the job's store (torch's TCPStore): import torch once, before
@@ -51,8 +73,20 @@ def supervise(options: Options, env: RankEnv) -> int:
         board = board_box[0]
         return board is not None and board.failures() > 0
 
-    watch = _supervise.Watch(step_deadline=options.timeout, peer_failed=peer_failed)
-    outcome = _supervise.run_supervised(lambda: worker.work(options, env, sel), watch)
+    def stalled(state: dict[str, Any]) -> dict[str, Any] | None:
+        """Whether this rank's backend process stopped in a step its peers finished."""
+        board = board_box[0] if board_box else None
+        if board is None:
+            return None
+        heading = int(state.get("agreed", 0)) + 1
+        return stall.stalled(state, board.arrivals(heading), env.rank)
+
+    watch = _supervise.Watch(
+        step_deadline=options.timeout,
+        peer_failed=peer_failed,
+        stalled=stalled if env.world > 1 else None,
+    )
+    outcome = _supervise.run_supervised(lambda: worker.work(kind, options, env, sel), watch)
     raised = outcome.progress.get("raised")
     if outcome.how == "finished" and raised:
         # The backend raised here while peers were blocked in its collective: a failure on the
@@ -76,10 +110,10 @@ def supervise(options: Options, env: RankEnv) -> int:
                 print(outcome.fault_log.rstrip(), file=sys.stderr)
             said = f": {raised['detail']}" if raised else ""
             print(
-                f"{PROG}: rank {env.rank}: {outcome.how} during {outcome.step}{said}",
+                f"{kind.prog}: rank {env.rank}: {outcome.how} during {outcome.step}{said}",
                 file=sys.stderr,
             )
         return outcome.code
     outcomes = board.read(wait=5.0) if board is not None else {}
     outcomes[env.rank] = posted
-    return output.report_unfinished(options, env, sel, outcome, outcomes)
+    return output.report_unfinished(kind, options, env, sel, outcome, outcomes)

@@ -1,5 +1,6 @@
 """The ground floor of check_ep: the options, the layer shape, the backend chosen, the rows a
-dispatch returns, the input classes and the order of the steps.
+dispatch returns, the input classes, the order of the steps, and what makes a probe on check_ep's
+rank machinery one probe or another (``ProbeKind``).
 
 Why this module exists: the command line, the steps, the checks, the reference and the adapters
 all speak of these; defined here, below every other part of check_ep (this module imports none
@@ -10,6 +11,7 @@ could run in a circle.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +55,9 @@ INPUT_CLASSES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """What the command line asked for, checked (``cli.parse_options`` makes it from argparse's
-    output, once); docs/probes.md, section "Flags", says what each one means."""
+class RunOptions:
+    """The flags of every probe on check_ep's rank machinery (check_ep, check_train), checked;
+    docs/probes.md, section "Flags", says what each one means."""
 
     backend: str  # auto, a registry name or torch
     backend_class: str | None  # FILE.py:Class or package.module:Class, instead of backend
@@ -66,17 +68,24 @@ class Options:
     dtype: str  # auto or a torch dtype name
     device: str  # auto, cuda or cpu
     seed: int
+    timeout: float  # seconds a step or a collective may take
+    json: Path | None
+    require: bool
+    nproc_per_node: int  # 0: this process is one rank (alone or under torchrun)
+    ranks_per_gpu: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(RunOptions):
+    """check_ep's command line, checked (``cli.parse_options`` makes it from argparse's
+    output, once)."""
+
     scenarios: tuple[str, ...]  # the selected scenarios' names, in the documented order
     replays: int
     warmup: int
     iters: int
     tolerance: float | None  # None: exact where the inputs allow it, else per dtype
     min_gbs: float
-    timeout: float  # seconds a step or a collective may take
-    json: Path | None
-    require: bool
-    nproc_per_node: int  # 0: this process is one rank (alone or under torchrun)
-    ranks_per_gpu: int
 
 
 @dataclasses.dataclass
@@ -114,3 +123,25 @@ class Dispatched:
     recv_topk_weights: torch.Tensor  # [rows, k] float32
     num_recv_per_expert: list[int]  # [local experts]
     handle: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeKind:
+    """One probe on check_ep's rank machinery: its launcher (``--nproc-per-node``), each rank's
+    supervisor, the worker's placement, groups and gates, and the report of a run that did not
+    finish. check_ep and check_train share all of that and differ only in what is named here.
+
+    ``run_steps`` is a ``module:function`` path, imported in the backend process only (it
+    needs torch): ``(rt, sel, backend, shape, options) -> list[Step]``.
+    """
+
+    prog: str  # the name in the table, the JSON report and messages
+    front_door: str  # the script users run, for messages: probes/<prog>.py
+    module: str  # what the ranks of --nproc-per-node run: python -m MODULE
+    step_names: tuple[str, ...]
+    run_steps: str
+    sizes: Callable[[Any, bool, int], dict[str, int]]  # (options, on a GPU, world) -> shape
+    default_dtype: Callable[[bool], str]  # (a GPU backend or a GPU) -> dtype of --dtype auto
+    meta: Callable[[Any, dict[str, int]], dict[str, Any]]  # (options, shape) -> report fields
+    header: Callable[[Selection, Any, dict[str, Any]], list[str]]  # (sel, env, meta)
+    numbers: Callable[[list[Step]], dict[str, Any]]  # the report's headline numbers

@@ -10,6 +10,7 @@ found in its breadcrumbs for the supervisors to report (``ranks.PeersLeftWaiting
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from ep_image import cli
 from ep_image.probes import _supervise
 from ep_image.probes._report import EXIT_UNUSABLE, EXIT_USAGE, Step, exit_code_of
 from ep_image.probes.check_ep import output
-from ep_image.probes.check_ep.layer import layer_sizes
+from ep_image.probes.check_ep.calls import track_calls
 from ep_image.probes.check_ep.ranks import (
     PeersLeftWaiting,
     RankEnv,
@@ -29,20 +30,19 @@ from ep_image.probes.check_ep.ranks import (
     init_distributed,
     topology,
 )
-from ep_image.probes.check_ep.scenarios.catalogue import SCENARIO_TOKENS, scenario_seed
-from ep_image.probes.check_ep.types import PROG, Options, Selection, Shape
+from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, Shape
 
 if TYPE_CHECKING:
     from ep_image.probes.check_ep.adapters.base import EPBackend
 
 
-def work(options: Options, env: RankEnv, sel: Selection) -> int:
+def work(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selection) -> int:
     """The supervised child: bad usage is still one line and exit 2 here."""
     try:
-        return run_worker(options, env, sel)
+        return run_worker(kind, options, env, sel)
     except cli.UsageError as exc:
         if env.rank == 0:
-            print(f"{PROG}: usage error: {exc}", file=sys.stderr)
+            print(f"{kind.prog}: usage error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except PeersLeftWaiting as exc:
         # No merged verdict can come: the supervisors stop the blocked peers and rank 0's
@@ -53,15 +53,17 @@ def work(options: Options, env: RankEnv, sel: Selection) -> int:
         return EXIT_UNUSABLE
 
 
-def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
+def run_worker(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selection) -> int:
     """Import torch and the backend, place the rank, set up the groups, run the steps, report."""
     _supervise.progress.update(backend=sel.name, current="import", steps=[])
-    # The torch side of check_ep (steps, checks, reference, adapters) is imported from here
+    # The torch side of the probe (steps, checks, reference, adapters) is imported from here
     # on only: the command line and the supervisor never load torch themselves.
     import torch
 
     from ep_image.probes.check_ep.adapters import plugins
-    from ep_image.probes.check_ep.steps import run_steps
+
+    module, _, function = kind.run_steps.partition(":")
+    run_steps = getattr(importlib.import_module(module), function)
 
     backend_cls = (
         plugins.load_backend_class(options.backend_class)
@@ -70,7 +72,7 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
     )
     if sel.custom:
         sel.name = backend_cls.name
-    backend = backend_cls()
+    backend = track_calls(backend_cls())
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # this rank's view
     if backend.requires_gpu:
         if options.device == "cpu":
@@ -99,10 +101,10 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
         )
     # The shape of the device the rank actually got: a GPU backend on a machine without one
     # runs (and is reported) on the CPU shape.
-    sizes = layer_sizes(options, placement.use_gpu, env.world)
+    sizes = kind.sizes(options, placement.use_gpu, env.world)
     dtype_name = options.dtype
     if dtype_name == "auto":
-        dtype_name = "bfloat16" if backend.requires_gpu or wants_gpu else "float32"
+        dtype_name = kind.default_dtype(backend.requires_gpu or wants_gpu)
     if dtype_name not in backend.dtypes:
         raise cli.UsageError(
             f"{backend.name} dispatches {', '.join(backend.dtypes)} only, not {dtype_name}"
@@ -110,17 +112,14 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
 
     rt = init_distributed(env, placement, options.timeout, store)
     rt.node_of_rank = [r["node"] for r in layout["ranks"]]
-    shape = Shape(dtype=getattr(torch, dtype_name), device=rt.device, **sizes)
+    layer = {k: sizes[k] for k in ("tokens", "hidden", "experts", "topk")}
+    shape = Shape(dtype=getattr(torch, dtype_name), device=rt.device, **layer)
     meta = {
         "device": str(rt.device),
         "dtype": dtype_name,
         "shape": sizes,
         "seed": options.seed,
-        "scenarios": {
-            "selected": list(options.scenarios),
-            "tokens_per_rank": min(sizes["tokens"], SCENARIO_TOKENS),
-            "seeds": {n: scenario_seed(options.seed, n) for n in options.scenarios},
-        },
+        **kind.meta(options, sizes),
         "ranks_per_gpu": placement.ranks_per_gpu,
         "shared_gpu": placement.shared,
         "process_group": placement.group_backend,
@@ -133,12 +132,12 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
     except PeersLeftWaiting:
         raise  # no destroy: it may wait for the blocked peers too
     except BaseException:
-        _destroy(backend, env)
+        _destroy(backend, env, kind.prog)
         raise
-    _destroy(backend, env)
+    _destroy(backend, env, kind.prog)
     code = agree_code(rt, exit_code_of(steps, options.require))
     try:
-        return output.finish(options, env, sel, steps, meta, code)
+        return output.finish(kind, options, env, sel, steps, meta, code)
     finally:
         import torch.distributed as dist
 
@@ -146,9 +145,9 @@ def run_worker(options: Options, env: RankEnv, sel: Selection) -> int:
         dist.destroy_process_group()
 
 
-def _destroy(backend: EPBackend, env: RankEnv) -> None:
+def _destroy(backend: EPBackend, env: RankEnv, prog: str) -> None:
     """Release the backend's buffer; a failing destroy must not hide the verdict."""
     try:
         backend.destroy()
     except Exception as exc:
-        print(f"{PROG}: rank {env.rank}: backend destroy failed: {exc}", file=sys.stderr)
+        print(f"{prog}: rank {env.rank}: backend destroy failed: {exc}", file=sys.stderr)

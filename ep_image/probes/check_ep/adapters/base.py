@@ -1,12 +1,12 @@
 """The expert-parallel backend interface the probe checks: :class:`EPBackend`.
 
-Why this module exists: DeepEP v1 (``deep_ep.Buffer``), DeepEP v2 (``deep_ep.ElasticBuffer``)
-and HybridEP (``deep_ep.HybridEPBuffer``) do the same job - send each token to the ranks
-that own its top-k experts (dispatch) and sum the experts' outputs back (combine) - through
-three different APIs. ``check_ep`` tests all of them with one set of checks, so each API is
-wrapped behind this interface, one adapter a module beside it, and a plain-torch reference
-backend (``torch_reference.TorchBackend``, all_gather based, like the slow fallback MoE code
-uses without DeepEP) lets every check run in CI over gloo on CPUs.
+Why this module exists: DeepEP v1 (``deep_ep.Buffer``), DeepEP v2 (``deep_ep.ElasticBuffer``),
+HybridEP (``deep_ep.HybridEPBuffer``) and NCCL EP (``nccl.ep.Group``) do the same job - send
+each token to the ranks that own its top-k experts (dispatch) and sum the experts' outputs back
+(combine) - through four different APIs. ``check_ep`` tests all of them with one set of
+checks, so each API is wrapped behind this interface, one adapter a module beside it, and a
+plain-torch reference backend (``torch_reference.TorchBackend``, all_gather based, like the
+slow fallback MoE code uses without DeepEP) lets every check run in CI over gloo on CPUs.
 
 The contract every adapter follows (DeepEP's "normal" non-expanded layout):
 
@@ -37,7 +37,11 @@ import abc
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ep_image.probes._report import Status
 from ep_image.probes.check_ep.types import Dispatched, Shape
+
+#: A prerequisite that is not met: (status, what is wrong, the fix).
+Problem = tuple[Status, str, str]
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +57,9 @@ class EPBackend(abc.ABC):
 
     #: Name in reports.
     name: ClassVar[str] = "custom"
-    #: The ``deep_ep`` buffer class it drives (``BackendSpec.api``); empty for other adapters.
+    #: The module and class it drives (``BackendSpec.module`` and ``.api``: ``deep_ep`` and
+    #: ``ElasticBuffer``, ``nccl.ep`` and ``Group``); ``api`` empty for other adapters.
+    module: ClassVar[str] = "deep_ep"
     api: ClassVar[str] = ""
     #: Needs CUDA devices (and an NCCL process group).
     requires_gpu: ClassVar[bool] = True
@@ -62,6 +68,9 @@ class EPBackend(abc.ABC):
     #: The programs its JIT runs from ``$CUDA_HOME/bin`` (checked when ``jit_compiles``): the
     #: prerequisites step fails, naming each one missing, before any buffer is made.
     jit_tools: ClassVar[tuple[str, ...]] = ("nvcc",)
+    #: The variable that points its kernel cache elsewhere (``jit_cache_dir``), for the fix
+    #: when that cache is not safe to load from.
+    jit_cache_variable: ClassVar[str] = "EP_JIT_CACHE_DIR"
     #: Token dtypes dispatch accepts, as torch dtype names.
     dtypes: ClassVar[tuple[str, ...]] = ("bfloat16",)
     #: World sizes the backend supports (None: any).
@@ -85,6 +94,12 @@ class EPBackend(abc.ABC):
         """Where the backend loads compiled kernels from across processes, if anywhere: such a
         directory must be writable by nobody but this user or root (gates.py checks it)."""
         return None
+
+    def prerequisites(self) -> tuple[dict[str, Any], list[Problem]]:
+        """What this backend needs beyond the checks every backend gets (GPU, world size, CUDA
+        home and JIT tools, NCCL version, JIT cache), checked after ``load`` and before any
+        buffer is made: facts for the report, and each unmet need with its fix."""
+        return {}, []
 
     def unsupported(self, world: int, local_world: int) -> str | None:
         """Why it cannot run on ``world`` ranks, ``local_world`` per node (None: it can)."""

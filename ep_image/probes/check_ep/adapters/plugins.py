@@ -1,35 +1,55 @@
 """Which adapter class a run drives: the built-in one of each backend's API, or one loaded from
 ``--backend-class FILE.py:Class`` / ``package.module:Class``.
 
-Why this module exists: the adapters know ``deep_ep`` APIs and the registry knows which backend
-ships which (``BackendSpec.api``), so a new backend on a known API needs no code here; and any
-:class:`EPBackend` subclass can be checked in their place (the tests inject broken ones).
+Why this module exists: the adapters know APIs (a module and its class: ``deep_ep.Buffer``,
+``nccl.ep.Group``) and the registry knows which backend ships which (``BackendSpec.module`` and
+``.api``), so a new backend on a known API needs no code here, and a new API only its adapter
+module beside the others (found here by its ``module`` and ``api``); and any :class:`EPBackend`
+subclass can be checked in their place (the tests inject broken ones).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import pkgutil
+import sys
 from pathlib import Path
 
 from ep_image import backends as registry
 from ep_image.cli import UsageError
+from ep_image.probes.check_ep import adapters
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.buffer import DeepEPv1Backend
-from ep_image.probes.check_ep.adapters.elastic_buffer import DeepEPv2Backend
-from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import HybridEPBackend
 from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend
 
-#: The adapter of each ``deep_ep`` API (``BackendSpec.api``): the adapters know APIs, the
-#: registry knows which backend ships which, so a backend on a known API needs no code here.
-ADAPTERS: dict[str, type[EPBackend]] = {
-    cls.api: cls for cls in (DeepEPv1Backend, DeepEPv2Backend, HybridEPBackend)
-}
+
+def _adapters() -> dict[tuple[str, str], type[EPBackend]]:
+    """Every adapter module's class that names an API, by (module, class) it drives: the
+    adapters know APIs, the registry knows which backend ships which."""
+    found: dict[tuple[str, str], type[EPBackend]] = {}
+    for info in sorted(pkgutil.iter_modules(adapters.__path__), key=lambda m: m.name):
+        if info.name == "plugins":
+            continue
+        module = importlib.import_module(f"{adapters.__name__}.{info.name}")
+        for value in vars(module).values():
+            is_adapter = isinstance(value, type) and issubclass(value, EPBackend)
+            if is_adapter and value.api and value.__module__ == module.__name__:
+                found[(value.module, value.api)] = value
+    return found
+
+
+#: The adapter of each API (``BackendSpec.module`` and ``.api``).
+ADAPTERS: dict[tuple[str, str], type[EPBackend]] = _adapters()
 
 
 def adapter_for(spec: registry.BackendSpec) -> type[EPBackend]:
     """The adapter of ``spec``'s API, as a class named after the backend (for reports)."""
-    base = ADAPTERS[spec.api]
+    base = ADAPTERS.get((spec.module, spec.api))
+    if base is None:
+        raise RuntimeError(
+            f"no check_ep adapter drives {spec.module}.{spec.api} (backend {spec.name}): add one "
+            "under ep_image/probes/check_ep/adapters/ with module and api set"
+        )
     return type(base.__name__, (base,), {"name": spec.name, "__module__": base.__module__})
 
 
@@ -51,6 +71,9 @@ def load_backend_class(spec: str) -> type[EPBackend]:
         if spec_obj is None or spec_obj.loader is None:
             raise UsageError(f"--backend-class: cannot load {target} as Python")
         module = importlib.util.module_from_spec(spec_obj)
+        # Registered first, as an import registers a module: what the file defines may look
+        # itself up there while it runs (a @dataclass does).
+        sys.modules[module_name] = module
         spec_obj.loader.exec_module(module)
     else:
         try:

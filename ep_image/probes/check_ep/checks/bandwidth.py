@@ -1,22 +1,22 @@
 """The ``bandwidth`` step: GB/s of dispatch and combine beside a device copy, every call's output
-checked.
+checked; each call's peak memory and its time against the all-gather reference path.
 
 Why this module exists: a fast backend is the point of one, but a time is a bandwidth only when
 the data is right: every timed call gets new activations and is checked after its timing ends,
 so an answer served from a cache, or a race between back-to-back calls, fails instead of
-measuring.
+measuring. And right data at a fallback's speed and memory is a slow path a user must hear of
+(``slow_path``): a warning, not a failure.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
 from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes.check_ep.checks import slow_path
 from ep_image.probes.check_ep.checks.context import (
     CheckContext,
     expert_output_of,
@@ -24,12 +24,12 @@ from ep_image.probes.check_ep.checks.context import (
     safely,
     zero_rows,
 )
+from ep_image.probes.check_ep.checks.timing import bench
 from ep_image.probes.check_ep.ranks import (
     ONE_RANK_LABEL,
     SHARED_GPU_LABEL,
     Runtime,
     agree,
-    sync,
 )
 from ep_image.probes.check_ep.types import Options
 
@@ -41,6 +41,9 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
     changes from call to call, prepared before its timing starts), so no backend can answer
     from a cache, and every output is checked after its timing ends: dispatch for the tokens
     routed here, bit-exact, combine token by token against the reference.
+
+    One untimed call of each is measured for its peak memory, and (unless the backend is the
+    reference itself) the reference path is timed on the same inputs: ``slow_path``.
     """
     import torch
 
@@ -64,25 +67,41 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
                 return torch.ones((), dtype=torch.bool, device=want.device)
             return (ref.per_token_rel_diff(out.float(), want) > ctx.tolerance).any()
 
-        t_dispatch, bad_dispatch = _bench(
+        dispatch = bench(
             rt,
             lambda i: ref.scale_payload(inp.x, ref.call_factor(i)),
             lambda x: backend.dispatch(x, inp.topk_idx, inp.topk_weights),
-            options,
+            options.warmup,
+            options.iters,
             dispatch_wrong,
+            memory=True,
         )
-        t_combine, bad_combine = _bench(
+        combine = bench(
             rt,
             lambda i: y * ref.call_factor(i),
             lambda y_i: backend.combine(y_i, handle),
-            options,
+            options.warmup,
+            options.iters,
             combine_wrong,
+            memory=True,
         )
+        t_dispatch, bad_dispatch = dispatch.seconds, dispatch.bad
+        t_combine, bad_combine = combine.seconds, combine.bad
+        # On every rank, whatever this rank's checks found: the reference's collectives.
+        reference = None
+        if not slow_path.is_reference(backend):
+            reference = slow_path.time_reference(rt, ctx, options, dispatch_wrong, combine_wrong)
         src = torch.empty(max(nbytes // element, 1), dtype=ctx.shape.dtype, device=rt.device)
         dst = torch.empty_like(src)
-        t_copy, _ = _bench(
-            rt, lambda i: None, lambda _: dst.copy_(src), options, None, collective=False
-        )
+        t_copy = bench(
+            rt,
+            lambda i: None,
+            lambda _: dst.copy_(src),
+            options.warmup,
+            options.iters,
+            None,
+            collective=False,
+        ).seconds
         copy_bytes = src.numel() * src.element_size()
         shared = rt.placement.shared
         data: dict[str, Any] = {
@@ -94,9 +113,10 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
             "combine_gbs": nbytes / t_combine / 1e9 if t_combine > 0 else 0.0,
             "copy_gbs": copy_bytes / t_copy / 1e9 if t_copy > 0 else 0.0,
             "timer": "cuda events" if rt.use_gpu else "perf_counter",
-            "checked_calls": options.warmup + options.iters,
+            "checked_calls": dispatch.calls,
             "shared_gpu": shared,
             "link_figure": rt.use_gpu and not shared and rt.env.world > 1,
+            **slow_path.rank_figures(rt, ctx, nbytes, dispatch, combine, reference),
         }
         if shared:
             data["note"] = SHARED_GPU_LABEL
@@ -108,7 +128,7 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
         step.data = data
         data["dispatch_vs_copy"] = data["dispatch_gbs"] / data["copy_gbs"] if t_copy else None
         data["combine_vs_copy"] = data["combine_gbs"] / data["copy_gbs"] if t_copy else None
-        calls = options.warmup + options.iters
+        calls = dispatch.calls
         wrong = unreadable[:1] + [
             f"{len(bad)} of {calls} back-to-back {op} calls returned wrong data (calls {bad})"
             for op, bad in (("dispatch", bad_dispatch), ("combine", bad_combine))
@@ -183,6 +203,10 @@ def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
     summary["dispatch_vs_copy"] = summary["dispatch_gbs"]["mean"] / copy if copy else None
     summary["combine_vs_copy"] = summary["combine_gbs"]["mean"] / copy if copy else None
     merged.data.update(summary)
+    slow = None
+    if all("payload_bytes" in d for d in datas):
+        slow = slow_path.summarize(datas, bool(datas[0].get("shared_gpu")))
+        merged.data["slow_path"] = slow
     if merged.status == Status.PASS:
         merged.detail = (
             f"dispatch {summary['dispatch_gbs']['mean']:.3g} GB/s, combine "
@@ -196,67 +220,10 @@ def _summarize_bandwidth(merged: Step, per_rank: list[Step]) -> None:
                 f"; dispatch NVLink {summary['dispatch_nvl_gbs']['mean']:.3g} + RDMA "
                 f"{summary['dispatch_rdma_gbs']['mean']:.3g} GB/s"
             )
+        if slow is not None:
+            merged.detail += "; " + slow_path.detail(slow)
+            merged.hint = slow_path.HINT if slow["warnings"] else ""
         if datas[0].get("shared_gpu"):
             merged.detail = f"{SHARED_GPU_LABEL}: {merged.detail}; --min-gbs not applied"
         elif len(datas) == 1:
             merged.detail = f"{ONE_RANK_LABEL}: {merged.detail}"
-
-
-def _bench(
-    rt: Runtime,
-    prepare: Callable[[int], Any],
-    fn: Callable[[Any], Any],
-    options: Options,
-    is_wrong: Callable[[int, Any], Any] | None,
-    collective: bool = True,
-) -> tuple[float, list[int]]:
-    """Median seconds of ``fn(prepare(i))`` after warm-up, and the calls ``is_wrong(i, out)``.
-
-    Call ``i``'s input is prepared before its timing starts, and its check is queued after its
-    end event, so neither is part of the timing.
-    """
-    import torch
-    import torch.distributed as dist
-
-    flags: list[Any] = []
-    calls = 0
-
-    def judge(i: int, out: Any) -> Any:
-        """Call ``i``'s flag; an output too malformed to check is wrong (never an exception:
-        this rank must go on making the calls its peers make)."""
-        try:
-            return is_wrong(i, out) if is_wrong is not None else False
-        except Exception:
-            return True
-
-    def call() -> None:
-        nonlocal calls
-        out = fn(prepare(calls))
-        flags.append(judge(calls, out))
-        calls += 1
-
-    for _ in range(options.warmup):
-        call()
-    sync(rt)
-    if collective:
-        dist.barrier(group=rt.ctrl_group)
-    times: list[float] = []
-    for _ in range(options.iters):
-        inp = prepare(calls)
-        if rt.use_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(inp)
-            end.record()
-            flags.append(judge(calls, out))
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            out = fn(inp)
-            times.append(time.perf_counter() - t0)
-            flags.append(judge(calls, out))
-        calls += 1
-    sync(rt)
-    bad = [i for i, flag in enumerate(flags) if bool(flag)]
-    return statistics.median(times), bad

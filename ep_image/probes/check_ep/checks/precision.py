@@ -6,7 +6,9 @@ compare bit for bit, and a backend whose arithmetic is right only for such value
 one that accumulates a token's contributions in bf16 instead of fp32, or carries the top-k
 weights in bf16. Here the payload is random, the weights are a softmax, and each token's expert
 outputs carry offsets that cancel in its sum (``reference/precision.py``); the bounds are
-DeepEP's own: calc_diff < 5e-6 for combined tokens, < 1e-9 for top-k weights.
+DeepEP's own: calc_diff < 5e-6 for combined tokens, < 1e-9 for top-k weights. Where no token
+reaches three ranks of one node (two ranks), no input can show a running sum kept in bf16 (a sum
+of two rows is rounded once either way): the step says so and names the run that can.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ep_image.probes.check_ep import reference as ref
 from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks.context import CheckContext, rows_of, safely, zero_rows
 from ep_image.probes.check_ep.ranks import Runtime, agree, sync
+from ep_image.probes.check_ep.reference.precision import ranks_reached
 from ep_image.probes.check_ep.types import Options
 
 HINT = (
@@ -25,6 +28,9 @@ HINT = (
     "fp32, or weights or tokens carried at a lower precision; compare with --backend torch and "
     "report it with this JSON"
 )
+
+#: The run that checks accumulation precision on one GPU: a token must reach three ranks.
+THREE_RANKS_ON_ONE_GPU = "--nproc-per-node 4 --ranks-per-gpu 4"
 
 
 def step_precision(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: Options) -> Step:
@@ -130,8 +136,14 @@ def step_precision(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
                     f"of their token (first: row {first})"
                 )
         problems += [f"combine_backward: {p}" for p in found]
+        most = ranks_reached(g.topk_idx, local, nodes)
         step.data = {
             "seed": seed,
+            "ranks_a_token_reaches": most,
+            "accumulation_checked": most >= 3 or shape.dtype.itemsize >= 4,
+            "dtype": str(shape.dtype).replace("torch.", ""),
+            "topk": shape.topk,
+            "ranks_per_node": nodes.count(nodes[rank]),
             "combine_bound": ref.COMBINE_BOUND,
             "weights_bound": ref.WEIGHTS_BOUND,
             "calc_diff": diffs,
@@ -215,3 +227,29 @@ def _summarize_precision(merged: Step, per_rank: list[Step]) -> None:
             f"{worst['dispatch_backward with cancelling offsets']:.2g} (<= "
             f"{ref.COMBINE_BOUND:g}); combine_backward bit-exact"
         )
+        if not merged.data.get("accumulation_checked", True):
+            merged.detail += "; " + unchecked_accumulation(merged.data)
+
+
+def unchecked_accumulation(data: dict[str, Any]) -> str:
+    """Why a running sum kept in the tokens' 16-bit dtype went unseen, and the run that sees it.
+
+    In DeepEP's layout a token's combine adds one row per rank that holds one of its experts;
+    the sum of two rows is rounded once whether it is kept in bf16 or in fp32 (the same bits,
+    whatever the values: docs/probes.md, "Precision"), so no input can tell the two apart
+    until a token reaches three ranks of one node."""
+    most = data.get("ranks_a_token_reaches", 0)
+    fixes = []
+    if data.get("ranks_per_node", 0) < 3:
+        fixes.append(f"4 ranks (on one GPU: {THREE_RANKS_ON_ONE_GPU})")
+    if data.get("topk", 0) < 3:
+        fixes.append("--topk 3 or more")
+    if not fixes:
+        fixes.append("more tokens per rank (--tokens)")
+    return (
+        f"accumulation precision unchecked: no token reaches more than {most} ranks of one "
+        f"node, and a sum of two {data.get('dtype', '16-bit')} rows is rounded once whether "
+        "the backend keeps it in that dtype or in fp32 (the same bits for every input), so a "
+        "running sum kept in the tokens' dtype cannot show before a token reaches 3 ranks; "
+        f"it is checked with {' and '.join(fixes)}"
+    )

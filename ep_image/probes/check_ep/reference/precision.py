@@ -111,6 +111,23 @@ def cancelling_offsets(
     return torch.where(receives[rank] & (m >= 2), offsets, torch.zeros_like(m))
 
 
+def ranks_reached(idx: torch.Tensor, local: int, node_of_rank: list[int]) -> int:
+    """The most ranks of one node that any token of the routing ``idx`` (global top-k expert
+    indices, -1 for none) reaches: the most rows its combine adds within that node.
+
+    A sum of two rows is rounded once whether it is kept in the tokens' dtype or in fp32, so a
+    running sum kept in bf16 changes no bit until a token reaches three ranks of one node
+    (docs/probes.md, "Precision")."""
+    owner = torch.where(idx >= 0, idx.clamp(min=0) // local, torch.full_like(idx, -1))
+    most = 0
+    for node in sorted(set(node_of_rank)):
+        mates = [q for q in range(len(node_of_rank)) if node_of_rank[q] == node]
+        reached = sum((owner == q).any(dim=1).long() for q in mates)
+        if isinstance(reached, torch.Tensor) and reached.numel():
+            most = max(most, int(reached.max()))
+    return most
+
+
 def contribution(
     x: torch.Tensor,
     idx: torch.Tensor,

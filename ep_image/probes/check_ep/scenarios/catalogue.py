@@ -1,9 +1,10 @@
-"""check_ep's scenarios: the routing training produces, not only one uniform layout.
+"""check_ep's scenarios: the routing training produces, not only one uniform layout, and the
+ways training frameworks drive a backend.
 
-The table of scenarios (changing, skewed, dropped, uneven, reuse), their seeds and token
-counts; it imports without torch so the command line can name them before torch loads.
-``routing`` makes their routings and ``runner`` runs them. See docs/probes.md, section
-"Scenarios".
+The table of scenarios (changing, skewed, dropped, uneven, reuse; views, interleaved,
+recompute, lifecycle, marks), their seeds and token counts; it imports without torch so the
+command line can name them before torch loads. ``routing`` makes their routings and ``runner``
+runs them. See docs/probes.md, section "Scenarios".
 """
 
 from __future__ import annotations
@@ -33,8 +34,19 @@ class Scenario:
     layouts: int = 1
     rounds: int = 0  # extra rounds of new activations through each layout
     needs: tuple[str, ...] = ()  # types.INPUT_CLASSES it needs the backend to take
-    routing: str = "uniform"  # uniform | skewed | dropped
+    routing: str = "uniform"  # uniform | skewed | dropped | marks
     uneven: bool = False
+    #: How a framework drives the layouts (runner.py): its inputs as views of wider tensors
+    #: that it overwrites after each call, and the outputs it got back written over too
+    #: (``views``); every layout dispatched before any is combined (``interleaved``); each
+    #: routing dispatched again after the later ones, as activation checkpointing's
+    #: recompute does, before its backward (``recompute``); the buffer destroyed and made
+    #: again between two layouts (``lifecycle``).
+    views: bool = False
+    interleaved: bool = False
+    recompute: bool = False
+    lifecycle: bool = False
+    tokens: int | None = None  # tokens per rank, when fewer than the other scenarios'
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -67,6 +79,46 @@ SCENARIOS: tuple[Scenario, ...] = (
         "new activations through an existing layout: 2 rounds of cached dispatch and combine "
         "on one handle",
         rounds=2,
+    ),
+    Scenario(
+        "views",
+        "inputs as views of wider tensors (a column slice, a transpose) that the caller "
+        "overwrites after each call, and the outputs it got back written over too",
+        rounds=1,
+        views=True,
+        tokens=64,
+    ),
+    Scenario(
+        "interleaved",
+        "several live layouts: 2 routings dispatched before either is combined, combined in "
+        "the other order, then each one's backward",
+        layouts=2,
+        interleaved=True,
+        tokens=64,
+    ),
+    Scenario(
+        "recompute",
+        "activation checkpointing's order: 2 layouts forward, then from the last to the first "
+        "each routing dispatched again after the later one went through the buffer, its rows "
+        "held against its forward's, then its backward",
+        layouts=2,
+        recompute=True,
+        tokens=64,
+    ),
+    Scenario(
+        "lifecycle",
+        "the buffer's whole life: used, destroyed, made again on the same group, used again",
+        layouts=2,
+        lifecycle=True,
+        tokens=64,
+    ),
+    Scenario(
+        "marks",
+        "every way a router marks a slot: -1 in a token's first, last or every slot, and valid "
+        "experts with weight 0 (delivered and counted, contributing nothing)",
+        routing="marks",
+        needs=(DROPPED_SLOTS,),
+        tokens=64,
     ),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
@@ -110,7 +162,10 @@ def not_applicable(backend: EPBackend, scenario: Scenario) -> str | None:
 
 
 def tokens_of(scenario: Scenario, base: int, rank: int, world: int) -> int:
-    """Tokens ``rank`` holds: ``base``, or for ``uneven`` a pattern with a 0 in it."""
+    """Tokens ``rank`` holds: ``base`` (at most the scenario's own count), or for ``uneven`` a
+    pattern with a 0 in it."""
+    if scenario.tokens is not None:
+        base = min(base, scenario.tokens)
     if not scenario.uneven:
         return base
     if world == 1:

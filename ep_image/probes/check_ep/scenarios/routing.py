@@ -1,5 +1,5 @@
 """The routings of the scenarios that are not uniform: one hot expert and idle ones (skewed),
-top-k slots that route nowhere (dropped).
+top-k slots that route nowhere (dropped), every way a router marks a slot (marks).
 
 Why this module exists: these are the routings training produces that one uniform layout never
 shows; each is reproducible from the scenario's seed, generated on the CPU.
@@ -60,9 +60,41 @@ def dropped_routing(experts: int, topk: int) -> Router:
     return route
 
 
+def marks_routing(experts: int, topk: int) -> Router:
+    """Uniform routing with slots marked every way a router does, by token: every fourth token
+    drops its first slot (-1), the next its last, the next every slot, the fourth keeps all
+    (which slots carry weight 0 is ``zero_weights``)."""
+
+    def route(gen: torch.Generator, tokens: int) -> torch.Tensor:
+        idx = uniform_routing(gen, tokens, experts, topk)
+        kind = torch.arange(tokens) % 4
+        idx[kind == 0, 0] = -1
+        idx[kind == 1, -1] = -1
+        idx[kind == 2] = -1
+        return idx
+
+    return route
+
+
+def zero_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``topk_weights`` with weight 0 on valid slots (a router's zero gate): of every token
+    that keeps all its slots, the last slot, and of every third token its first valid slot."""
+    weights = topk_weights.clone()
+    valid = topk_idx >= 0
+    whole = valid.all(dim=1)
+    weights[whole, -1] = 0.0
+    first = valid.int().argmax(dim=1)
+    every_third = (torch.arange(topk_idx.shape[0], device=topk_idx.device) % 3 == 0) & valid.any(1)
+    rows = every_third.nonzero().squeeze(1)
+    weights[rows, first[rows]] = 0.0
+    return weights
+
+
 def router_of(scenario: Scenario, shape: Shape, world: int) -> Router | None:
     if scenario.routing == "skewed":
         return skewed_routing(shape.experts, shape.topk, world)
     if scenario.routing == "dropped":
         return dropped_routing(shape.experts, shape.topk)
+    if scenario.routing == "marks":
+        return marks_routing(shape.experts, shape.topk)
     return None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ep_image.probes import _supervise
 from ep_image.probes.check_ep.adapters.base import EPBackend
@@ -46,6 +47,7 @@ from ep_image.probes.check_ep.reference import (
     tensor_contract,
     token_scale,
 )
+from ep_image.probes.check_ep.scenarios.caller import Caller
 from ep_image.probes.check_ep.scenarios.catalogue import (
     BY_NAME,
     ERROR,
@@ -59,7 +61,7 @@ from ep_image.probes.check_ep.scenarios.catalogue import (
     scenario_tokens,
     tokens_of,
 )
-from ep_image.probes.check_ep.scenarios.routing import router_of
+from ep_image.probes.check_ep.scenarios.routing import router_of, zero_weights
 from ep_image.probes.check_ep.types import Shape
 
 
@@ -106,6 +108,18 @@ class Run:
     local: int
     problems: list[str] = dataclasses.field(default_factory=list)
     checks: int = 0
+    caller: Caller | None = None  # views: every call through the caller's hands
+
+    def __post_init__(self) -> None:
+        if self.scenario.views:
+            self.caller = Caller(self.call, self.check)
+
+    def send(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A backend call as the scenario's caller makes it: with fresh tensors, or (views)
+        through :class:`Caller`."""
+        if self.caller is not None:
+            return self.caller(where, fn, *args)
+        return self.call(where, fn, *args)
 
     def call(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the backend (breadcrumb first: a crash or hang is reported with ``where``)."""
@@ -128,35 +142,95 @@ class Run:
         self.problems.extend(f"{where}: {p}" for p in found)
 
 
-def _forward(run: Run, index: int, tokens: int, router: Router | None) -> Layout:
-    """Dispatch and combine one new layout, each checked."""
-    rt, shape, backend = run.rt, run.shape, run.backend
+def _layout(run: Run, index: int, tokens: int, router: Router | None) -> Layout:
+    """One new routing of the scenario and its reference (nothing sent yet)."""
+    rt, shape = run.rt, run.shape
     rank = rt.env.rank
     seed = mix_seed(run.seed, index)
     inputs = make_inputs(shape, rank, seed, tokens=tokens, route=router)
+    if run.scenario.routing == "marks":
+        inputs.topk_weights = zero_weights(inputs.topk_idx, inputs.topk_weights)
     g = gather_global(inputs, rt.ep_group)
     exp = expected_for_rank(g, rank, run.local, run.scales)
-    lay = Layout(index, seed, inputs, g, exp)
-    tag = f"layout {index}"
-    lay.d = run.call(
-        f"{tag} dispatch", backend.dispatch, inputs.x, inputs.topk_idx, inputs.topk_weights
-    )
-    run.check(f"{tag} dispatch", _dispatch_problems, run, lay)
-    rows = _rows(lay.d)
+    return Layout(index, seed, inputs, g, exp)
+
+
+def _dispatch(run: Run, lay: Layout, again: bool = False) -> Any:
+    """Dispatch the layout's routing, checked; its rows named (``ids``) and the stand-in
+    experts' factors found. ``again``: a second dispatch of the same routing (recompute), whose
+    result is returned instead of kept as the layout's."""
+    inputs, shape = lay.inputs, run.shape
+    tag = f"layout {lay.index} {'dispatch again' if again else 'dispatch'}"
+    d = run.send(tag, run.backend.dispatch, inputs.x, inputs.topk_idx, inputs.topk_weights)
+    probe = dataclasses.replace(lay, d=d)
+    run.check(tag, _dispatch_problems, run, probe)
+    rows = _rows(d)
     try:
-        lay.ids = decode_ids(lay.d.recv_x, g)
-        lay.factor = row_factor(exp, lay.ids)
-        y = expert_output(lay.d.recv_x, lay.factor)
+        ids = decode_ids(d.recv_x, lay.g)
+        factor = row_factor(lay.exp, ids)
     except Exception:  # malformed rows (already reported): keep the ranks in step
-        lay.ids = torch.full((rows,), -1, dtype=torch.int64, device=shape.device)
-        lay.factor = torch.zeros(rows, device=shape.device)
-        y = torch.zeros((rows, shape.hidden), dtype=shape.dtype, device=shape.device)
-    out = run.call(f"{tag} combine", backend.combine, y, lay.handle)
-    want = expected_combine(inputs, run.scales)
-    run.check(f"{tag} combine", _tokens_problems, run, out, want, y.dtype, "combine")
+        ids = torch.full((rows,), -1, dtype=torch.int64, device=shape.device)
+        factor = torch.zeros(rows, device=shape.device)
+    if again:
+        return d, ids, factor
+    lay.d, lay.ids, lay.factor = d, ids, factor
+    return d, ids, factor
+
+
+def _combine(run: Run, lay: Layout, d: Any, ids: Any, factor: Any, again: bool = False) -> None:
+    """The stand-in experts on the rows ``d`` holds, combined through ``d``'s handle, checked
+    against the layout's sums."""
+    shape = run.shape
+    tag = f"layout {lay.index} {'combine again' if again else 'combine'}"
+    try:
+        y = expert_output(d.recv_x, factor)
+    except Exception:  # malformed rows (already reported): keep the ranks in step
+        y = torch.zeros((_rows(d), shape.hidden), dtype=shape.dtype, device=shape.device)
+    if run.caller is not None:
+        run.caller.reuse(getattr(d, "recv_x", None))  # read: the caller's to write over now
+    out = run.send(tag, run.backend.combine, y, getattr(d, "handle", None))
+    want = expected_combine(lay.inputs, run.scales)
+    run.check(tag, _tokens_problems, run, out, want, y.dtype, "combine")
+    if again:
+        return
     lay.out = out
-    lay.kept = (_copy(getattr(lay.d, "recv_x", None)), _copy(out))
+    if run.caller is not None:
+        run.caller.reuse(out)  # read: the caller's to write over now
+    else:
+        lay.kept = (_copy(getattr(lay.d, "recv_x", None)), _copy(out))
+
+
+def _forward(run: Run, lay: Layout) -> Layout:
+    """Dispatch and combine one layout, each checked."""
+    _combine(run, lay, *_dispatch(run, lay))
     return lay
+
+
+def _recompute(run: Run, lay: Layout) -> None:
+    """The layout's routing dispatched again after later layouts went through the buffer (the
+    recompute of activation checkpointing): the same tokens, counts and rows as its first
+    dispatch, and a combine through the new handle that sums them right."""
+    d, ids, factor = _dispatch(run, lay, again=True)
+    run.check(f"layout {lay.index} dispatch again", _same_rows, lay, d, ids)
+    _combine(run, lay, d, ids, factor, again=True)
+
+
+def _same_rows(lay: Layout, d: Any, ids: Any) -> list[str]:
+    """A second dispatch of a routing returns what its first did: as many rows, the same
+    tokens, the same counts per expert (in any order)."""
+    first, again = _rows(lay.d), _rows(d)
+    if first != again:
+        return [
+            f"dispatched again after later layouts, the routing returned {again} rows where "
+            f"its first dispatch returned {first} (activation checkpointing's recompute would "
+            "fail: recomputed values have different metadata)"
+        ]
+    counts = [int(c) for c in getattr(d, "num_recv_per_expert", [])]
+    if counts != [int(c) for c in getattr(lay.d, "num_recv_per_expert", [])]:
+        return ["dispatched again, the routing's counts per expert changed"]
+    if not torch.equal(ids.sort().values, lay.ids.sort().values):
+        return ["dispatched again, the routing delivered other tokens than its first dispatch"]
+    return []
 
 
 def _backward(run: Run, lay: Layout) -> None:
@@ -169,24 +243,24 @@ def _backward(run: Run, lay: Layout) -> None:
         f = call_factor(r)
         x_r = scale_payload(lay.inputs.x, f)
         where = f"{tag} dispatch_cached (round {r})"
-        got = run.call(where, backend.dispatch_cached, x_r, lay.handle)
+        got = run.send(where, backend.dispatch_cached, x_r, lay.handle)
         want_rows = scale_payload(g.x[safe], f) if g.total else g.x[:0]
         run.check(where, _cached_problems, g, lay.ids, got, want_rows, x_r, rows, "dispatch_cached")
         y_r = expert_output(want_rows, lay.factor)
         where = f"{tag} combine (round {r})"
-        out = run.call(where, backend.combine, y_r, lay.handle)
+        out = run.send(where, backend.combine, y_r, lay.handle)
         want = expected_combine(lay.inputs, run.scales) * f
         run.check(where, _tokens_problems, run, out, want, y_r.dtype, "combine")
     n = lay.inputs.x.shape[0]
     grad = output_grad(shape, n, lay.seed, rt.env.rank)
     grad_global = gather_uneven(grad, g.counts, rt.ep_group)
     where = f"{tag} combine_backward"
-    cb = run.call(where, backend.combine_backward, grad, lay.handle)
+    cb = run.send(where, backend.combine_backward, grad, lay.handle)
     want_rows = grad_global[safe] if g.total else grad_global[:0]
     run.check(where, _cached_problems, g, lay.ids, cb, want_rows, grad, rows, "combine_backward")
     h = expert_output(want_rows, lay.factor)
     where = f"{tag} dispatch_backward"
-    db = run.call(where, backend.dispatch_backward, h, lay.handle)
+    db = run.send(where, backend.dispatch_backward, h, lay.handle)
     scale = token_scale(lay.inputs, run.scales)
     want = grad.float() * scale[:, None] * id_mask(shape.hidden, grad.device)
     run.check(where, _tokens_problems, run, db, want, h.dtype, "dispatch_backward")
@@ -284,9 +358,29 @@ def run_one(
     tokens = tokens_of(scenario, base, rt.env.rank, rt.env.world)
     router = router_of(scenario, shape, rt.env.world)
     start = time.perf_counter()
-    layouts = [_forward(run, i, tokens, router) for i in range(scenario.layouts)]
-    for lay in reversed(layouts):
-        _backward(run, lay)
+    layouts = [_layout(run, i, tokens, router) for i in range(scenario.layouts)]
+    if scenario.lifecycle:
+        # Layout 0's whole round trip on the buffer as made, then the buffer destroyed and made
+        # again on the same group before layout 1.
+        _backward(run, _forward(run, layouts[0]))
+        dist.barrier(group=rt.ctrl_group)  # every rank done with the buffer, as at shutdown
+        run.call("destroy", backend.destroy)
+        run.call("create again", backend.create, rt.ep_group, shape)
+        for lay in layouts[1:]:
+            _backward(run, _forward(run, lay))
+    elif scenario.interleaved:
+        dispatched = [(lay, _dispatch(run, lay)) for lay in layouts]
+        for lay, sent in dispatched[1:] + dispatched[:1]:  # combined in another order
+            _combine(run, lay, *sent)
+        for lay in reversed(layouts):
+            _backward(run, lay)
+    else:
+        for lay in layouts:
+            _forward(run, lay)
+        for lay in reversed(layouts):
+            if scenario.recompute:
+                _recompute(run, lay)
+            _backward(run, lay)
     result: dict[str, Any] = {
         "name": scenario.name,
         "seed": seed,

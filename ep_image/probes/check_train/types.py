@@ -1,0 +1,103 @@
+"""The ground floor of check_train: its options, the model's shape and defaults, the order of
+its steps, and the bound its comparisons hold.
+
+Why this module exists: the command line, the model, the training loop and the verdicts all
+speak of these; defined here, without torch and below every other part of check_train, they
+tie those parts together without an import running in a circle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ep_image.probes.check_ep.types import RunOptions
+
+#: The probe's name in its table, its JSON report and its messages.
+PROG = "check_train"
+
+#: The steps in the order they run: check_ep's three gates, then the model, the fallback's
+#: training (the oracle), the backend's, the verdicts drawn from them, and the libraries the
+#: process mapped with everything loaded.
+STEP_NAMES = (
+    "import",
+    "prerequisites",
+    "buffer",
+    "model",
+    "fallback",
+    "train",
+    "recompute",
+    "agreement",
+    "memory",
+    "speed",
+    "libraries",
+)
+
+#: The model on a GPU: a small MoE transformer at a size where the exchange matters.
+GPU_DEFAULTS = {
+    "tokens": 4096,
+    "hidden": 1024,
+    "experts": 32,
+    "topk": 4,
+    "layers": 2,
+    "steps": 8,
+    "seq": 512,
+    "heads": 8,
+}
+#: On CPU: small enough that 2 and 4 ranks on 2 cores train in seconds.
+CPU_DEFAULTS = {
+    "tokens": 256,
+    "hidden": 64,
+    "experts": 8,
+    "topk": 2,
+    "layers": 2,
+    "steps": 8,
+    "seq": 64,
+    "heads": 4,
+}
+#: The synthetic task's vocabulary (``model.batch_of``): small, so the loss falls in a few steps.
+VOCAB = 64
+#: The experts' inner width, in multiples of the hidden size.
+FFN_FACTOR = 2
+
+#: One bf16 rounding, relative: bf16 keeps 8 significant bits.
+BF16_ROUNDING = 2.0**-8
+#: Exchanges per MoE layer on a step's path from a parameter to the loss: the combine in the
+#: forward and dispatch's backward (itself a combine) in the backward.
+EXCHANGES_PER_LAYER = 2
+#: Steps the bytes of live tensors must grow at, one after another, to count as a leak (after
+#: the first step, whose optimizer state is new), and by at least this many bytes each (the
+#: counts are exact on both devices: a correct training is flat).
+LEAK_STEPS = 4
+LEAK_BYTES = 1024
+
+
+def agreement_bound(layers: int) -> float:
+    """The relative bound on loss, gradient norm and gradient of the backend against the
+    fallback at the same weights and batch (docs/probes.md, "check-train", derives it): every
+    value an exchange returns is a sum the two may add in different orders, rounded once to
+    bf16, so within one bf16 rounding; a step's path crosses ``EXCHANGES_PER_LAYER`` of them
+    per MoE layer."""
+    return EXCHANGES_PER_LAYER * layers * BF16_ROUNDING
+
+
+def trajectory_bound(layers: int, step: int) -> float:
+    """The relative bound on the loss of two independent trainings at ``step`` (0-based): the
+    agreement bound once per step taken, since each step's weights carry the differences of
+    every step before it (first order: they add)."""
+    return agreement_bound(layers) * (step + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions(RunOptions):
+    """check_train's command line, checked (``cli.parse_options``)."""
+
+    layers: int | None
+    steps: int | None
+    seq: int | None
+    heads: int | None
+    lr: float
+    checkpoint: bool  # non-reentrant activation checkpointing around each layer
+    recompute: str  # dispatch | cached: what the recompute asks of the backend
+    te: str  # auto | on | off
+    all_backends: bool
+    prefix: str | None  # where --all-backends finds the venvs

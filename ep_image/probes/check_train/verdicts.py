@@ -1,0 +1,328 @@
+"""check_train's verdicts, drawn from the two trainings: did each learn, did the recompute get
+its forward's rows, do the backend's steps match the fallback's, does memory stay flat, how
+fast was it.
+
+Why this module exists: each verdict names what a user can act on (the step and layer, the
+number against its bound, the fix), and none needs torch: they read the phases' records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+from ep_image.probes._report import Status, Step, StepFailed, timed_step
+from ep_image.probes.check_train.types import (
+    LEAK_BYTES,
+    LEAK_STEPS,
+    agreement_bound,
+    trajectory_bound,
+)
+
+#: The loss must fall this far over the run (last step's against the first's) to count as
+#: learning: the task is learnable, so a training that does not reach it is broken.
+MIN_FALL = 0.1
+
+RECOMPUTE_FIX = (
+    "turn off activation checkpointing around this backend's MoE layers, or recompute them "
+    "along the forward's layout (a cached dispatch with the forward's handle: check it with "
+    "--recompute cached), or pad each rank's tokens as the backend needs (HybridEP: the same "
+    "count on every rank, a multiple of 4)"
+)
+
+
+def losses_text(losses: list[float]) -> str:
+    return f"loss {losses[0]:.4g} -> {losses[-1]:.4g}"
+
+
+def falls(losses: list[float]) -> bool:
+    return len(losses) >= 2 and losses[-1] <= losses[0] * (1 - MIN_FALL)
+
+
+def median_seconds(records: list[Any]) -> float:
+    """The median step time, the first step left out (compiling, first allocations)."""
+    times = [r.seconds for r in records[1:]] or [r.seconds for r in records]
+    return statistics.median(times)
+
+
+def phase_data(result: Any, tokens: int) -> dict[str, Any]:
+    """A phase's numbers for the report."""
+    steps = result.steps
+    data: dict[str, Any] = {
+        "losses": [s.loss for s in steps],
+        "grad_norms": [s.grad_norm for s in steps],
+        "step_seconds": [round(s.seconds, 6) for s in steps],
+        "live_bytes": [s.live_bytes for s in steps],
+        "peak_bytes": [s.peak_bytes for s in steps],
+    }
+    if steps:
+        data["median_step_seconds"] = median_seconds(steps)
+        data["tokens_per_second"] = tokens / data["median_step_seconds"]
+    return data
+
+
+def step_fallback(result: Any, tokens: int) -> Step:
+    with timed_step("fallback") as step:
+        step.data = phase_data(result, tokens)
+        bad = [p for s in result.steps for p in s.nonfinite]
+        if bad:
+            raise StepFailed(
+                Status.FAIL,
+                f"the all-gather fallback's training is not finite: {bad[0]}",
+                "the model diverges with these flags: lower --lr",
+                step.data,
+            )
+        losses = step.data["losses"]
+        if not falls(losses):
+            raise StepFailed(
+                Status.FAIL,
+                f"the all-gather fallback does not learn: {losses_text(losses)} over "
+                f"{len(losses)} steps (must fall {MIN_FALL:.0%})",
+                "the oracle itself does not train with these flags: more --steps, another "
+                "--lr, or a smaller model",
+                step.data,
+            )
+        step.detail = (
+            f"{len(losses)} steps: {losses_text(losses)}, median "
+            f"{step.data['median_step_seconds'] * 1e3:.1f} ms/step"
+        )
+    return step
+
+
+def step_train(result: Any, tokens: int, checkpointed: bool) -> Step:
+    with timed_step("train") as step:
+        step.data = phase_data(result, tokens)
+        losses = step.data["losses"]
+        how = "with checkpointing" if checkpointed else "without checkpointing"
+        if result.mismatch:
+            raise StepFailed(
+                Status.FAIL,
+                f"stopped after {len(losses)} clean steps {how}: {result.mismatch}",
+                RECOMPUTE_FIX,
+                step.data,
+            )
+        bad = [p for s in result.steps for p in s.nonfinite]
+        if bad:
+            step.data["nonfinite"] = bad
+            raise StepFailed(
+                Status.FAIL,
+                f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""),
+                "the backend returns NaN or Inf where the fallback does not: run check_ep on "
+                "this backend and report it with this JSON",
+                step.data,
+            )
+        if not falls(losses):
+            raise StepFailed(
+                Status.FAIL,
+                f"the backend's training does not learn: {losses_text(losses)} over "
+                f"{len(losses)} steps",
+                "compare with the fallback step: the backend's gradients are wrong",
+                step.data,
+            )
+        step.detail = (
+            f"{len(losses)} steps {how}: {losses_text(losses)}, every MoE output and input "
+            f"gradient finite, median {step.data['median_step_seconds'] * 1e3:.1f} ms/step"
+        )
+    return step
+
+
+def _worst(result: Any, name: str, key: str) -> tuple[float, int]:
+    """The largest of one reference measure over the steps, and its step."""
+    values = [(s.references[name][key], s.step) for s in result.steps if name in s.references]
+    return max(values) if values else (0.0, -1)
+
+
+_MEASURES = (("loss_rel", "loss"), ("grad_norm_rel", "gradient norm"), ("grad_rel", "gradient"))
+
+
+def _over(result: Any, name: str, bound: float) -> list[str]:
+    """Each measure of reference ``name`` past ``bound``, at its first step past it."""
+    found = []
+    for key, what in _MEASURES:
+        for s in result.steps:
+            value = s.references.get(name, {}).get(key)
+            if value is not None and not value <= bound:
+                found.append(f"step {s.step}: {what} differs by {value:.3g} (> {bound:.3g})")
+                break
+    return found
+
+
+def step_recompute(result: Any, layers: int, checkpointed: bool, checks: list[dict]) -> Step:
+    with timed_step("recompute") as step:
+        if not checkpointed:
+            step.status = Status.NOT_RUN
+            step.detail = "not run: --no-checkpoint"
+            return step
+        bound = agreement_bound(layers)
+        step.data = {"recomputes": checks, "bound": bound}
+        if result.mismatch:
+            raise StepFailed(Status.FAIL, result.mismatch, RECOMPUTE_FIX, step.data)
+        problems = _over(result, "no_checkpoint", bound)
+        for key, _ in _MEASURES:
+            step.data[f"max_{key}"] = _worst(result, "no_checkpoint", key)[0]
+        if problems:
+            raise StepFailed(
+                Status.FAIL,
+                "with checkpointing the backend's step differs from its own step without it at "
+                "the same weights and batch: " + "; ".join(problems),
+                "the backend's backward is wrong after a layer was recomputed (its recomputed "
+                "dispatch matched the forward's rows): " + RECOMPUTE_FIX,
+                step.data,
+            )
+        exact = all(step.data[f"max_{k}"] == 0.0 for k, _ in _MEASURES)
+        step.detail = (
+            f"{len(checks)} recomputed dispatches got their forward's rows bit for bit; "
+            "checkpointing on and off: "
+            + (
+                "losses and gradients bit-identical"
+                if exact
+                else f"within {bound:.3g} (gradient {step.data['max_grad_rel']:.2g})"
+            )
+        )
+    return step
+
+
+def step_agreement(backend: Any, fallback: Any, layers: int) -> Step:
+    with timed_step("agreement") as step:
+        bound = agreement_bound(layers)
+        step.data = {"bound": bound}
+        for key, _ in _MEASURES:
+            value, at = _worst(backend, "fallback", key)
+            step.data[f"max_{key.replace('_rel', '')}_rel_diff"] = value
+            step.data[f"max_{key.replace('_rel', '')}_step"] = at
+        problems = _over(backend, "fallback", bound)
+        both = min(len(backend.steps), len(fallback.steps))
+        trajectory = [
+            abs(b.loss - f.loss) / abs(f.loss) if f.loss else 0.0
+            for b, f in zip(backend.steps[:both], fallback.steps[:both], strict=True)
+        ]
+        step.data["trajectory_loss_rel_diff"] = trajectory
+        step.data["trajectory_bounds"] = [trajectory_bound(layers, s) for s in range(both)]
+        for s, value in enumerate(trajectory):
+            if not value <= trajectory_bound(layers, s):
+                problems.append(
+                    f"the two trainings' losses at step {s} differ by {value:.3g} (> "
+                    f"{trajectory_bound(layers, s):.3g})"
+                )
+                break
+        if not backend.steps:
+            step.status = Status.NOT_RUN
+            step.detail = "not run: the backend's training took no step"
+            return step
+        if problems:
+            raise StepFailed(
+                Status.FAIL,
+                "the backend's training differs from the all-gather fallback's: "
+                + "; ".join(problems),
+                "the backend routes, reduces or differentiates tokens wrongly in training: run "
+                "check_ep on it and report it with this JSON",
+                step.data,
+            )
+        exact = all(step.data[f"max_{k.replace('_rel', '')}_rel_diff"] == 0.0 for k, _ in _MEASURES)
+        step.detail = (
+            "at every step's weights and batch, loss, gradient norm and gradient "
+            + (
+                "equal the fallback's bit for bit"
+                if exact
+                else f"within {bound:.3g} of the fallback's"
+            )
+            + f" (max: loss {step.data['max_loss_rel_diff']:.2g}, gradient "
+            f"{step.data['max_grad_rel_diff']:.2g}); the two trainings' losses within "
+            f"{trajectory_bound(layers, both - 1):.3g} at step {both - 1} (max "
+            f"{max(trajectory):.2g})"
+        )
+    return step
+
+
+def leak(live: list[int | None]) -> tuple[int, int] | None:
+    """``(first step, bytes per step)`` when the live tensors grew by ``LEAK_BYTES`` or more
+    at each of the last ``LEAK_STEPS`` steps (after the first, whose optimizer state is new);
+    None where they did not, or were not measured."""
+    if len(live) < LEAK_STEPS + 2 or any(b is None for b in live):
+        return None
+    tail = live[-(LEAK_STEPS + 1) :]
+    growth = [b - a for a, b in itertools.pairwise(tail)]  # type: ignore[operator]
+    if all(g >= LEAK_BYTES for g in growth):
+        return len(live) - LEAK_STEPS - 1, sum(growth) // len(growth)
+    return None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def step_memory(backend: Any, fallback: Any) -> Step:
+    """The live tensors after every step must not grow step after step; peaks side by side
+    where they can be read."""
+    with timed_step("memory") as step:
+        live = [s.live_bytes for s in backend.steps]
+        peaks = [s.peak_bytes for s in backend.steps if s.peak_bytes is not None]
+        fpeaks = [s.peak_bytes for s in fallback.steps if s.peak_bytes is not None]
+        step.data = {
+            "live_bytes_per_step": live,
+            "backend_peak_bytes": max(peaks) if peaks else None,
+            "fallback_peak_bytes": max(fpeaks) if fpeaks else None,
+            "leak_bytes_per_step": LEAK_BYTES,
+            "leak_steps": LEAK_STEPS,
+        }
+        found = leak(live)
+        if found is not None:
+            since, per_step = found
+            raise StepFailed(
+                Status.FAIL,
+                f"the live tensors after each step grow every step from step {since} on, by "
+                f"{per_step / 1024:.1f} KiB a step ({_mib(live[0])} after step 0, "
+                f"{_mib(live[-1])} after step {len(live) - 1}): training would run out of "
+                "memory",
+                "the backend keeps a reference to every step's tensors (handles, buffers): "
+                "report it with this JSON",
+                step.data,
+            )
+        if peaks and fpeaks:
+            peak, fpeak = max(peaks), max(fpeaks)
+            text = f"peak {_mib(peak)} against the fallback's {_mib(fpeak)} ({peak / fpeak:.2f}x)"
+        else:
+            text = "peak not measured on the CPU (torch's CPU allocator keeps none)"
+        if not live:
+            flat = "no step"
+        else:
+            flat = f"{_mib(live[-1])} of live tensors after every step, not growing"
+        step.detail = f"{flat}; {text}"
+    return step
+
+
+def step_speed(backend: Any, fallback: Any, tokens: int, label: str, reference: bool) -> Step:
+    with timed_step("speed") as step:
+        step.status = Status.INFO
+        if not backend.steps or not fallback.steps:
+            step.detail = "no timed step"
+            return step
+        b, f = median_seconds(backend.steps), median_seconds(fallback.steps)
+        speedup = f / b if b else 0.0
+        step.data = {
+            "backend_step_seconds": b,
+            "fallback_step_seconds": f,
+            "backend_tokens_per_second": tokens / b if b else None,
+            "fallback_tokens_per_second": tokens / f if f else None,
+            "speedup": speedup,
+            "label": label,
+        }
+        text = (
+            f"backend {b * 1e3:.1f} ms/step ({tokens / b:,.0f} tokens/s), all-gather fallback "
+            f"{f * 1e3:.1f} ms/step ({tokens / f:,.0f} tokens/s): {speedup:.2f}x"
+        )
+        if label:
+            text += f" ({label})"
+        if reference:
+            text += "; the torch reference is the all-gather exchange itself"
+        elif speedup <= 1.0:
+            slower = f"{1 / speedup:.1f}x slower than" if speedup < 1.0 else "as fast as"
+            text += (
+                f"; warning: the backend is {slower} the fallback: a slow path (a fallback "
+                "inside the backend, a missing capability)? On shared GPUs or CPUs this can be "
+                "expected"
+            )
+            step.hint = "compare check_ep's bandwidth step and the backend's own test"
+        step.detail = text
+    return step
