@@ -31,7 +31,8 @@ With --builder docker (Docker 26 and buildx from Debian 13) or docker-20.10 (Deb
 Docker, its built-in BuildKit), the same builds in the same order run on a dockerd of the
 script's own, its state in a fresh directory removed at the end; `SIZE` is then dockerd's
 figure for the image (its layers, uncompressed, each once), `CACHED` counts BuildKit's CACHED
-steps, `RAN <switch> <stage>` names each stage of which a step ran. One more build follows:
+steps, `RAN <switch> <stage>` names each stage of which a step ran, and `RUN <image>
+probes/check_env.py exit <n>` says whether the image runs (`docker run`). One more build follows:
 EP=all from a copy of the Dockerfile whose assembly mounts the venv stages read-only
 (`BENCH all-read-only-mounts`), what the assembly's switch costs when BuildKit checksums them.
 """
@@ -189,6 +190,9 @@ def bench_docker(docker: Docker, work: Path) -> None:
         ratio = size / sizes[f"bench:{default}"]
         print(f"SIZE {tag} {size} bytes = {size / 1e9:.3f} GB ({ratio:.4f}x {default})")
     print(f"backends: {' '.join(names)}", file=sys.stderr)
+    for ep in (MULTI_EP, default):
+        ran = docker.run(f"bench:{ep}", "probes/check_env.py")
+        print(f"RUN bench:{ep} probes/check_env.py exit {ran.returncode}")
     build(f"{MULTI_EP}-read-only-mounts", MULTI_EP, "bench:read-only", read_only_mounts(work))
 
 
