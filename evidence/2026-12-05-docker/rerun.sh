@@ -3,7 +3,8 @@
 # (tests/bench_image.py) with buildah, with Docker 26 and buildx (Debian 13's packages) and with
 # Debian 12's Docker 20.10 (its built-in BuildKit), one after the other on this machine. Each
 # prints BENCH (seconds per build), CACHED/RAN (what an EP switch reused and ran) and SIZE lines.
-# As root; from any directory. OUT (default: a new directory under /tmp) receives
+# As root; from any directory; the builders to run may be named as arguments (default: all
+# three). OUT (default: a new directory under /tmp) receives
 # bench-<builder>.txt (the figures), bench-<builder>.log (the progress lines) and machine.txt
 # (commit, date, CPUs, kernel, and the load average before and after each builder).
 set -euo pipefail
@@ -16,7 +17,9 @@ cd "$repo"
   echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "cpus $(nproc); kernel $(uname -r); memory $(free -g | awk '/^Mem/ {print $2}') GiB"
 } > "$out/machine.txt"
-for builder in buildah docker docker-20.10; do
+builders=("$@")
+[ ${#builders[@]} -gt 0 ] || builders=(buildah docker docker-20.10)
+for builder in "${builders[@]}"; do
   echo "load before $builder: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/machine.txt"
   start=$SECONDS
   python3 scripts/bootstrap.py -- uv run --frozen --group dev python3 tests/bench_image.py \
