@@ -95,19 +95,11 @@ def image_stage(value: str, names: list[str]) -> list[str]:
     lines += [_COPY_FILES_NOTE, f"COPY --from=files-{value} / /"]
     if len(names) == 1:
         return [*lines, f"RUN {run} \\", f'    --in-place --active "${{EP_ACTIVE}}" {names[0]}']
-    # rw: BuildKit keys a read-only bind mount by a checksum of every file in it (minutes for
-    # the venvs, about 70,000 files each) and a writable one by the stage's own cache key, which
-    # already changes with everything the venv is made from. Nothing writes there: the
-    # assembly only reads the stages' venvs (BuildKit would discard writes; buildah keeps them).
     mounts = [
-        f"--mount=type=bind,from=ep-{name},source=/opt/venvs,target=/mnt/ep-{name},rw"
+        f"--mount=type=bind,from=ep-{name},source=/opt/venvs,target=/mnt/ep-{name}"
         for name in names
     ]
-    lines += [
-        "# rw: BuildKit then keys the mounts by their stages, not by a checksum of every file in",
-        "# them (minutes for the venvs). The assembly only reads them.",
-        f"RUN {mounts[0]} \\",
-    ]
+    lines.append(f"RUN {mounts[0]} \\")
     lines += [f"    {mount} \\" for mount in mounts[1:]]
     lines += [f"    {run} \\", '    --active "${EP_ACTIVE}" ' + " ".join(names)]
     return lines

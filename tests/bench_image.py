@@ -32,11 +32,7 @@ Docker, its built-in BuildKit), the same builds in the same order run on a docke
 script's own, its state in a fresh directory removed at the end; `SIZE` is then dockerd's
 figure for the image (its layers, uncompressed, each once), `CACHED` counts BuildKit's CACHED
 steps, `RAN <switch> <stage>` names each stage of which a step ran, and `RUN <image>
-probes/check_env.py exit <n>` says whether the image runs (`docker run`). One more build follows:
-EP=all with EP_ACTIVE=<the other backend> (`BENCH all-rw-mounts-again`: the assembly and
-`final` run again, its mounts as in the Dockerfile), then EP=all from a copy of the Dockerfile
-whose assembly mounts the venv stages read-only (`BENCH all-read-only-mounts`: the same two
-steps, and BuildKit checksums the mounted venvs first).
+probes/check_env.py exit <n>` says whether the image runs (`docker run`).
 """
 
 from __future__ import annotations
@@ -149,16 +145,7 @@ def bench(buildah: Buildah) -> None:
     print(f"SHARED by 2+ venvs {shared} bytes = {shared / 1e9:.3f} GB; total {total / 1e9:.3f} GB")
 
 
-def read_only_mounts(directory: Path) -> Path:
-    """A copy of docker/Dockerfile whose image-all assembly mounts the venv stages read-only."""
-    text = (ROOT / "docker" / "Dockerfile").read_text()
-    copy = directory / "Dockerfile.read-only-mounts"
-    copy.write_text(text.replace(",rw \\\n", " \\\n"))
-    assert copy.read_text() != text, "the Dockerfile has no rw mounts to turn read-only"
-    return copy
-
-
-def bench_docker(docker: Docker, work: Path) -> None:
+def bench_docker(docker: Docker) -> None:
     """The builds and figures of ``bench`` with BuildKit (see the module's docstring)."""
     names = registry("--names")
     default, other = switch_values()
@@ -195,16 +182,6 @@ def bench_docker(docker: Docker, work: Path) -> None:
     for ep in (MULTI_EP, default):
         ran = docker.run(f"bench:{ep}", "probes/check_env.py")
         print(f"RUN bench:{ep} probes/check_env.py exit {ran.returncode}")
-    # The assembly again, its mounts as in the Dockerfile (rw), then read-only: each build
-    # changes only the assembly's instruction (EP_ACTIVE, the mount flags), so each runs the
-    # assembly and `final` once more; the second also has BuildKit checksum the mounted venvs.
-    args = {**build_args(base, MULTI_EP), "EP_ACTIVE": other}
-    again = docker.build("bench:rw-again", args, f"bench-{MULTI_EP}-rw-mounts-again",
-                         secrets={"ca-bundle": ca_bundle()})  # fmt: skip
-    if again.returncode != 0:
-        raise BuildFailed(f"{MULTI_EP}-rw-mounts-again failed")
-    print(f"BENCH {MULTI_EP}-rw-mounts-again {round(again.seconds)} s", flush=True)
-    build(f"{MULTI_EP}-read-only-mounts", MULTI_EP, "bench:read-only", read_only_mounts(work))
 
 
 def main_docker(builder: str) -> int:
@@ -216,18 +193,15 @@ def main_docker(builder: str) -> int:
         return 1
     versions = ", ".join(f"{k} {v}" for k, v in sorted(engine.versions.items()))
     print(f"ENGINE {versions}")
-    work = Path(tempfile.mkdtemp(prefix="bench-docker-", dir=store_parent()))
     try:
         with sigterm_as_ctrl_c(), running(engine, store_parent()) as daemon:
-            bench_docker(Docker(daemon, None, "bench"), work)
+            bench_docker(Docker(daemon, None, "bench"))
     except BuildFailed as error:
         print(f"bench_image: {error}", file=sys.stderr)
         return 1
     except EngineUnavailable as error:
         print(f"bench_image: dockerd did not start: {error}", file=sys.stderr)
         return 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
