@@ -25,6 +25,8 @@ _CACHE = "--mount=type=cache,target=/root/.cache/uv,id=ep-image-uv"
 _SECRETS = "--mount=type=secret,id=ca-bundle --mount=type=secret,id=gitconfig"
 # files-<EP> is a scratch stage of COPYs: its "/" is exactly the files it gathers, no OS.
 _COPY_FILES_NOTE = "# hadolint ignore=DL3067"
+#: How the valid EP values are introduced, above `final` and in docker/select-ep's message.
+VALUES_PREFIX = "valid EP values: "
 #: The volume every backend's run-time kernel cache lives under (BackendSpec.jit_cache).
 JIT_CACHE_ROOT = "/var/cache/ep-jit"
 
@@ -46,15 +48,16 @@ def backend_stage(spec: backends.BackendSpec) -> list[str]:
     mounts = [_CACHE, _SECRETS]
     prebuilt = ""
     if spec.builds_from_source:
-        # A prebuilt wheel's record (the README is always there) keys the RUN; the wheels
-        # come through a bind mount, outside every layer.
-        args += ["TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "PREBUILT_WHEELS"]
-        record = f"${{PREBUILT_WHEELS}}/{spec.name}-wheel.json*"
+        # A prebuilt wheel's record keys the RUN (buildah hashes no bind mount); the wheels come
+        # through a bind mount of the prebuilt-wheels stage, outside every layer. The COPY from
+        # that stage also makes buildah 1.28 mount it when it came from the layer cache.
+        args += ["TORCH_CUDA_ARCH_LIST", "MAX_JOBS"]
+        record = f"/{spec.name}-wheel.json*"
         lines += [
             f"ARG {' '.join(args)}",
-            f"COPY docker/prebuilt-wheels/README.md {record} /opt/ep-image/prebuilt/",
+            f"COPY --from=prebuilt-wheels /README.md* {record} /opt/ep-image/prebuilt/",
         ]
-        mounts.append("--mount=type=bind,source=${PREBUILT_WHEELS},target=/opt/prebuilt-wheels")
+        mounts.append("--mount=type=bind,from=prebuilt-wheels,target=/opt/prebuilt-wheels")
         prebuilt = " --prebuilt-wheels /opt/prebuilt-wheels"
     else:
         lines.append(f"ARG {' '.join(args)}")
@@ -135,12 +138,28 @@ def render() -> str:
     return "\n".join(out)
 
 
+def ep_values_line() -> str:
+    """The comment two lines above ``final``'s FROM. BuildKit looks the stage ``image-<EP>`` up
+    before any step runs, so for an unknown EP it stops there and quotes the lines around that
+    FROM: this one names the valid values, as docker/select-ep does for buildah."""
+    return "# " + VALUES_PREFIX + ", ".join(value for value, _ in backends.image_ep_values())
+
+
 def splice(text: str, block: str) -> str:
-    """``text`` with the part between the marker lines replaced by ``block``."""
+    """``text`` with the part between the marker lines replaced by ``block``, and the valid EP
+    values above ``final`` (``ep_values_line``) rewritten."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError(f"docker/Dockerfile lacks the marker lines {BEGIN!r} ... {END!r}")
-    return text[:start] + block + text[end + len(END) :]
+    text = text[:start] + block + text[end + len(END) :]
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if line.endswith(" AS final")), -1)
+    if at < 2 or not lines[at - 2].startswith("# " + VALUES_PREFIX):
+        raise ValueError(
+            f"docker/Dockerfile lacks the line '# {VALUES_PREFIX}...' two lines above `final`"
+        )
+    lines[at - 2] = ep_values_line()
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,12 +1,16 @@
 """The image benchmark of docs/image.md: a cold EP=all build, EP switches, sizes and sharing.
 
-Why: the figures docs/image.md quotes (cold EP=all, then EP switches on the same buildah storage;
-each image's footprint; the bytes each backend's venv holds alone) come from this script, so
-anyone can rerun them, built and measured by the image tests' own harness (tests/_buildah.py).
+Why: the figures docs/image.md quotes (cold EP=all, then EP switches on the same storage; each
+image's footprint; the bytes each backend's venv holds alone) come from this script, so anyone
+can rerun them, built and measured by the image tests' own harnesses: buildah
+(tests/_buildah.py), or a Docker Engine from Debian's packages with BuildKit
+(tests/_docker_engine.py, tests/_docker.py).
 
 Run as root from the repository root, after `uv sync --group dev`:
 
-    uv run --frozen --group dev python3 tests/bench_image.py
+    uv run --frozen --group dev python3 tests/bench_image.py                     # buildah
+    uv run --frozen --group dev python3 tests/bench_image.py --builder docker    # BuildKit
+    uv run --frozen --group dev python3 tests/bench_image.py --builder docker-20.10
 
 In this order, on one fresh storage (removed at the end, also on failure, Ctrl-C or SIGTERM):
 cold EP=all as `venvs-common`, each `ep-<backend>` stage and then the image, one invocation
@@ -22,6 +26,13 @@ from the layer cache) and `visited: <stage>` (the stages the default backend's s
 records); `UNIQUE <backend> ...` (in the EP=all image, `st_size` of every inode seen in exactly
 one /opt/venvs/<backend>) and `SHARED ...` (inodes in two or more venvs). Progress lines go to
 stderr, each build's log to <cache>/logs/bench-<build>.log.
+
+With --builder docker (Docker 26 and buildx from Debian 13) or docker-20.10 (Debian 12's own
+Docker, its built-in BuildKit), the same builds in the same order run on a dockerd of the
+script's own, its state in a fresh directory removed at the end; `SIZE` is then dockerd's
+figure for the image (its layers, uncompressed, each once), `CACHED` counts BuildKit's CACHED
+steps, `RAN <switch> <stage>` names each stage of which a step ran, and `RUN <image>
+probes/check_env.py exit <n>` says whether the image runs (`docker run`).
 """
 
 from __future__ import annotations
@@ -39,14 +50,21 @@ from _buildah import (
     ROOT,
     Build,
     Buildah,
+    base_rootfs_tar,
     build_args,
+    ca_bundle,
     commit_base_image,
+    recipe_key,
     sigterm_as_ctrl_c,
     storage_driver,
     store_parent,
 )
+from _docker import Docker, DockerBuild
+from _docker_engine import ENGINE, ENGINE_DEBIAN_12, EngineUnavailable, install, running
 
 MULTI_EP = "all"
+#: --builder: the Docker Engines, as Debian packages them (tests/_docker_engine.py).
+ENGINES = {"docker": ENGINE, "docker-20.10": ENGINE_DEBIAN_12}
 
 
 class BuildFailed(Exception):
@@ -127,21 +145,92 @@ def bench(buildah: Buildah) -> None:
     print(f"SHARED by 2+ venvs {shared} bytes = {shared / 1e9:.3f} GB; total {total / 1e9:.3f} GB")
 
 
+def bench_docker(docker: Docker) -> None:
+    """The builds and figures of ``bench`` with BuildKit (see the module's docstring)."""
+    names = registry("--names")
+    default, other = switch_values()
+    print("base image: the image tests' (debootstrap on the first run only)", file=sys.stderr)
+    base = docker.import_rootfs(base_rootfs_tar(), f"ep-test-base:{recipe_key()}")
+
+    def build(label: str, ep: str, tag: str, dockerfile: Path | None = None) -> DockerBuild:
+        done = docker.build(tag, build_args(base, ep), f"bench-{label}", dockerfile=dockerfile,
+                            secrets={"ca-bundle": ca_bundle()})  # fmt: skip
+        if done.returncode != 0:
+            print(done.text()[-6000:], file=sys.stderr)
+            raise BuildFailed(f"{label} failed (log: {docker.logs}/docker-bench-{label}.log)")
+        print(f"BENCH {label} {round(done.seconds)} s", flush=True)
+        return done
+
+    build(f"cold-{MULTI_EP}", MULTI_EP, f"bench:{MULTI_EP}")
+    switches = {ep: build(f"switch-{ep}", ep, f"bench:{ep}") for ep in (default, other)}
+    for ep, done in switches.items():
+        steps = [s for s in done.steps() if s.stage != "internal"]
+        cached = sum(s.status == "CACHED" for s in steps)
+        print(f"CACHED switch-{ep} {cached} steps")
+        ran = sorted({s.stage for s in steps if s.status == "DONE"
+                      and not s.instruction.startswith("FROM ")})  # fmt: skip
+        for stage in ran:
+            print(f"RAN switch-{ep} {stage}")
+    for stage in switches[default].stages_visited():
+        print(f"visited: {stage}")
+    tags = [f"bench:{ep}" for ep in (MULTI_EP, default, other)]
+    sizes = {tag: docker.size(tag) for tag in tags}
+    for tag, size in sizes.items():
+        ratio = size / sizes[f"bench:{default}"]
+        print(f"SIZE {tag} {size} bytes = {size / 1e9:.3f} GB ({ratio:.4f}x {default})")
+    print(f"backends: {' '.join(names)}", file=sys.stderr)
+    for ep in (MULTI_EP, default):
+        ran = docker.run(f"bench:{ep}", "probes/check_env.py")
+        print(f"RUN bench:{ep} probes/check_env.py exit {ran.returncode}")
+
+
+def main_docker(builder: str) -> int:
+    """``bench_docker`` on a dockerd of this script's own (stopped and removed at the end)."""
+    try:
+        engine = install(ENGINES[builder])
+    except EngineUnavailable as error:
+        print(f"bench_image: no Docker engine: {error}", file=sys.stderr)
+        return 1
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(engine.versions.items()))
+    print(f"ENGINE {versions}")
+    try:
+        with sigterm_as_ctrl_c(), running(engine, store_parent()) as daemon:
+            bench_docker(Docker(daemon, None, "bench"))
+    except BuildFailed as error:
+        print(f"bench_image: {error}", file=sys.stderr)
+        return 1
+    except EngineUnavailable as error:
+        print(f"bench_image: dockerd did not start: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 tests/bench_image.py",
         description="The image benchmark of docs/image.md: a cold EP=all build, then EP "
-        "switches on the same buildah storage; BENCH, CACHED, SIZE, UNIQUE and SHARED lines. "
-        "As root, from the repository root.",
+        "switches on the same storage; BENCH, CACHED, SIZE (and, with buildah, UNIQUE and "
+        "SHARED) lines. As root, from the repository root.",
         epilog="Environment: EP_IMAGE_TEST_STORAGE_DRIVER=overlay|vfs forces buildah's storage "
         "driver (default: overlay where the kernel mounts it, else vfs, as for the image "
         "tests); EP_IMAGE_TEST_CACHE (default /var/cache/ep-image-test) holds the base "
         "tarball, uv's download cache and the logs; EP_IMAGE_TEST_STORE_PARENT (default: "
         "that cache) is where the storage goes.",
     )
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--builder",
+        choices=["buildah", *ENGINES],
+        default="buildah",
+        help="buildah (default); docker: Docker 26 with buildx (BuildKit), from Debian 13's "
+        "packages; docker-20.10: Debian 12's Docker and its built-in BuildKit",
+    )
+    args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        parser.error("run as root: buildah with chroot isolation and debootstrap need it")
+        parser.error("run as root: the builders and debootstrap need it")
+    if args.builder in ENGINES:
+        if shutil.which("debootstrap") is None:
+            parser.error("debootstrap not installed (python3 scripts/bootstrap.py --tests)")
+        return main_docker(args.builder)
     for tool in ("buildah", "debootstrap"):
         if shutil.which(tool) is None:
             parser.error(f"{tool} not installed (python3 scripts/bootstrap.py --tests)")

@@ -45,6 +45,9 @@ TEST_PACKAGES: tuple[tuple[str, str], ...] = (
     ("make", "make"),
     ("jq", "jq"),  # the workflows' plan steps, run by tests/test_workflows.py
     ("/usr/include/infiniband/verbs.h", "libibverbs-dev"),
+    # The Docker tests fetch Docker's Debian packages with apt-get and check them against it
+    # (tests/_docker_engine.py); Debian has it, Ubuntu installs it.
+    ("/usr/share/keyrings/debian-archive-keyring.gpg", "debian-archive-keyring"),
 )
 
 
