@@ -135,11 +135,19 @@ def input_begin(stage: str) -> str:
 
 
 def module_copies(commands: Sequence[str], root: Path = import_graph.ROOT) -> list[str]:
-    """COPY lines for every module ``commands`` import (one line per directory, wrapped), and
-    for each of WHOLE_PACKAGES they need, the package's directory."""
+    """COPY lines for every module ``commands`` import (one line per directory, wrapped); a
+    package they need whole (or one of WHOLE_PACKAGES) as its directory."""
     needed = import_graph.needed_by(list(commands), root)
     known = import_graph.modules(root)
-    whole = [p for p in WHOLE_PACKAGES if p in needed]
+    packages = [n for n in sorted(needed) if known[n].name == "__init__.py" and "." in n]
+    # A package copied whole: loaded by name, or every module of it needed (its directory then
+    # says it, and a module added to it later is copied without a new line).
+    whole = [
+        p
+        for p in packages
+        if p in WHOLE_PACKAGES or all(m in needed for m in known if m.startswith(p + "."))
+    ]
+    whole = [p for p in whole if not any(p.startswith(q + ".") for q in whole)]
     by_dir: dict[str, list[str]] = {}
     for name in sorted(needed):
         if any(name == p or name.startswith(p + ".") for p in whole):
