@@ -22,13 +22,16 @@ import pytest
 from conftest import FIXTURES, ROOT, clean_env, run_probe_in
 
 from ep_image import child_env
-from ep_image.probes.check_train.types import STEP_NAMES, agreement_bound
+from ep_image.probes.check_train.types import STEP_NAMES, agreement_bound, lr_for
 
 BROKEN = FIXTURES / "broken_training.py"
 FRONT_DOOR = str(ROOT / "probes" / "check_train.py")
 #: A smaller model than the CPU default keeps the fault tests quick; 6 steps is the fewest the
 #: memory verdict reads a leak from.
-SMALL = ["--tokens", "128", "--seq", "64", "--hidden", "32", "--steps", "6", "--timeout", "120"]
+SMALL_SHAPE = ["--tokens", "128", "--seq", "64", "--hidden", "32", "--steps", "6"]
+SMALL_SHAPE += ["--timeout", "120"]
+# The faults' tests keep the rate they were written with (the default would be 0.02 here).
+SMALL = [*SMALL_SHAPE, "--lr", "0.01"]
 
 
 def run(tmp_path: Path, *args: str, nproc: int = 2, timeout: int = 300) -> tuple:
@@ -81,11 +84,27 @@ def test_reference_trains_beside_the_fallback(tmp_path: Path, ranks: int) -> Non
     assert "checkpointing on (non-reentrant)" in probe.proc.stdout
     assert "CPU: not a GPU figure" in step(report, "speed")["detail"]
     assert report["training"]["agreement_bound"] == agreement_bound(2)
+    assert report["training"]["lr"] == lr_for(64) == 1e-2  # the CPU model's hidden size
     assert report["world_size"] == ranks and report["dtype"] == "bfloat16"
     assert report["environment"]["prefix"] == sys.prefix
     assert "Traceback" not in probe.output
     # The issue's budget: under a minute on 2 cores (a loaded machine gets some slack).
     assert seconds < 90, seconds
+
+
+def test_the_default_learning_rate_shrinks_with_the_width(tmp_path: Path) -> None:
+    """A fixed 1e-2 made the GPU model (hidden 1024) learn the task in one step and then
+    diverge (loss 4.7 -> 0.006 -> 8.8 on an H200); the default is 0.64 / hidden, and --lr
+    still wins."""
+    assert lr_for(1024) == 6.25e-4 and lr_for(1024, 3e-3) == 3e-3
+    probe, _ = run(tmp_path, "--backend", "torch", "--no-checkpoint", *SMALL_SHAPE, nproc=1)
+    assert probe.proc.returncode == 0, probe.output
+    assert probe.report["training"]["lr"] == lr_for(32) == 0.02  # the shape's hidden is 32
+    assert "AdamW lr 0.02," in probe.proc.stdout
+    (tmp_path / "given").mkdir()
+    probe, _ = run(tmp_path / "given", "--backend", "torch", "--no-checkpoint", *SMALL_SHAPE,
+                   "--lr", "0.005", nproc=1)  # fmt: skip
+    assert probe.report["training"]["lr"] == 0.005
 
 
 def test_without_checkpointing_the_recompute_is_not_run(tmp_path: Path) -> None:

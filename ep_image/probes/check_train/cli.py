@@ -15,7 +15,13 @@ from ep_image import cli
 from ep_image.probes.check_ep import cli as ep_cli
 from ep_image.probes.check_ep import supervisor
 from ep_image.probes.check_train.kind import CHECK_TRAIN
-from ep_image.probes.check_train.types import CPU_DEFAULTS, GPU_DEFAULTS, PROG, TrainOptions
+from ep_image.probes.check_train.types import (
+    CPU_DEFAULTS,
+    GPU_DEFAULTS,
+    LR_TIMES_HIDDEN,
+    PROG,
+    TrainOptions,
+)
 
 
 def _defaults(key: str) -> str:
@@ -72,7 +78,10 @@ exit codes (all ranks agree):
     shape.add_argument("--seq", type=int, help=f"sequence length ({_defaults('seq')})")
     shape.add_argument("--heads", type=int, help=f"attention heads ({_defaults('heads')})")
     parser.add_argument(
-        "--lr", type=float, default=1e-2, help="AdamW's learning rate (default: 1e-2)"
+        "--lr",
+        type=float,
+        help=f"AdamW's learning rate (default: {LR_TIMES_HIDDEN} / hidden: 1e-2 at hidden 64, "
+        "6.25e-4 at 1024; a wider model needs a smaller one)",
     )
     parser.add_argument(
         "--no-checkpoint",
@@ -118,7 +127,7 @@ def parse_options(argv: Sequence[str] | None) -> TrainOptions:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise cli.UsageError(f"--{name} must be a positive integer, got {value}")
-    if not args.lr > 0:
+    if args.lr is not None and not args.lr > 0:
         raise cli.UsageError(f"--lr must be positive, got {args.lr}")
     if args.all_backends and (args.backend != "auto" or args.backend_class):
         raise cli.UsageError("--all-backends runs every backend; drop --backend/--backend-class")

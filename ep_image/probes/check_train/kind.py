@@ -22,6 +22,7 @@ from ep_image.probes.check_train.types import (
     STEP_NAMES,
     TrainOptions,
     agreement_bound,
+    lr_for,
 )
 
 _LAYER_KEYS = ("tokens", "hidden", "experts", "topk")
@@ -64,7 +65,7 @@ def meta(options: TrainOptions, sizes: dict[str, int]) -> dict[str, Any]:
         "training": {
             "checkpoint": options.checkpoint,
             "recompute": options.recompute if options.checkpoint else None,
-            "lr": options.lr,
+            "lr": lr_for(sizes["hidden"], options.lr),
             "te": options.te,
             "agreement_bound": agreement_bound(sizes["layers"]),
         }

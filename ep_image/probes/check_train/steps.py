@@ -25,7 +25,7 @@ from ep_image.probes.check_train.exchange import BackendExchange, FallbackExchan
 from ep_image.probes.check_train.kind import model_sizes
 from ep_image.probes.check_train.layers import step_model
 from ep_image.probes.check_train.model import ModelShape
-from ep_image.probes.check_train.types import STEP_NAMES, TrainOptions
+from ep_image.probes.check_train.types import STEP_NAMES, TrainOptions, lr_for
 
 
 def run_steps(
@@ -52,7 +52,7 @@ def run_steps(
         device=rt.device,
         dtype=shape.dtype,
         group=rt.ep_group,
-        lr=options.lr,
+        lr=lr_for(sizes["hidden"], options.lr),
         steps=sizes["steps"],
         te=model_box[0],
     )

@@ -279,16 +279,15 @@ def step_memory(backend: Any, fallback: Any) -> Step:
                 "report it with this JSON",
                 step.data,
             )
+        if not live:
+            step.detail = "no step of the backend's training to measure"
+            return step
         if peaks and fpeaks:
             peak, fpeak = max(peaks), max(fpeaks)
             text = f"peak {_mib(peak)} against the fallback's {_mib(fpeak)} ({peak / fpeak:.2f}x)"
         else:
             text = "peak not measured on the CPU (torch's CPU allocator keeps none)"
-        if not live:
-            flat = "no step"
-        else:
-            flat = f"{_mib(live[-1])} of live tensors after every step, not growing"
-        step.detail = f"{flat}; {text}"
+        step.detail = f"{_mib(live[-1])} of live tensors after every step, not growing; {text}"
     return step
 
 
