@@ -212,6 +212,22 @@ def test_skip_records_that_te_was_not_built(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.whl"))
 
 
+def test_a_link_left_by_an_earlier_build_is_replaced(tmp_path: Path) -> None:
+    """An earlier run linked the frontend's headers into its throwaway venv, now gone: a rerun
+    on the same source links again instead of failing with FileExistsError."""
+    include = tmp_path / "te" / "3rdparty" / "cudnn-frontend" / "include"
+    include.parent.mkdir(parents=True)
+    include.symlink_to(tmp_path / "gone-venv" / "include", target_is_directory=True)
+    headers = tmp_path / "venv" / "include"
+    headers.mkdir(parents=True)
+    te_source.apply_links(tmp_path / "te", {"3rdparty/cudnn-frontend/include": headers})
+    assert include.is_symlink() and include.resolve() == headers.resolve()
+    empty = tmp_path / "te" / "3rdparty" / "cutlass"
+    empty.mkdir()  # an uninitialised submodule
+    te_source.apply_links(tmp_path / "te", {"3rdparty/cutlass": headers})
+    assert empty.is_symlink()
+
+
 def test_arch_list_conversion_and_errors() -> None:
     assert te_environment.nvte_archs("9.0;10.0") == "90;100"
     assert te_environment.nvte_archs("9.0 10.0a") == "90;100a"

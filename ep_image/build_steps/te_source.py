@@ -155,10 +155,14 @@ def frontend_note(record: Mapping[str, object]) -> str | None:
 
 
 def apply_links(source: Path, links: Mapping[str, Path]) -> None:
-    """Create the planned symlinks (only where the path is absent or an empty directory)."""
+    """Create the planned symlinks (only where the path is absent, an empty directory, or a
+    link that does not give the headers: an earlier build's link into its throwaway venv,
+    gone with it, made a rerun fail with FileExistsError)."""
     for rel, target in links.items():
         path = source / rel
-        if path.is_dir() and not path.is_symlink():
+        if path.is_symlink():
+            path.unlink()
+        elif path.is_dir():
             path.rmdir()  # an uninitialised submodule leaves an empty directory
         path.parent.mkdir(parents=True, exist_ok=True)
         path.symlink_to(target, target_is_directory=True)
