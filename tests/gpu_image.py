@@ -155,6 +155,8 @@ def build(args: argparse.Namespace) -> int:
     }
     if args.te_source:
         build_args["TE_SOURCE"] = args.te_source
+    if args.prebuilt_wheels:
+        build_args["PREBUILT_WHEELS"] = args.prebuilt_wheels
     mirrors = dict(m.split("=", 1) for m in args.mirror)
     tag = f"localhost/ep-image:{args.ep}"
     context = context_state()
@@ -281,6 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         "--base",
         help="build FROM this image in the harness's storage (a loaded NGC image, an earlier "
         "stand-in) instead of the stand-in the current recipe makes",
+    )
+    b.add_argument(
+        "--prebuilt-wheels",
+        metavar="DIR",
+        help="a directory inside the build context (PREBUILT_WHEELS) of wheels built earlier by "
+        "the same steps (a TE wheel and its te-build.json from scripts/build_te.py --out): a "
+        "stage whose record matches takes its wheel instead of compiling",
     )
     b.add_argument("--arch-list", default="9.0")
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
