@@ -27,7 +27,7 @@ from _venv_helpers import build_wheel
 from test_source_build import fake_cuda
 
 from ep_image import prebuilt, project
-from ep_image.build_steps import te_environment, te_source, venv_cudnn
+from ep_image.build_steps import _venv_cudnn, te_environment, te_source
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "ep_image.build_steps.build_te"
@@ -98,7 +98,7 @@ def parse_exports(stdout: str) -> dict[str, str]:
 
 
 def test_discovery_finds_the_wheels_headers_libs_and_version(cudnn_venv: Path) -> None:
-    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
+    cudnn = _venv_cudnn.find_cudnn(cudnn_venv)
     site = next(cudnn_venv.glob("lib/python3*/site-packages"))
     assert cudnn.root == site / "nvidia" / "cudnn"
     assert (cudnn.include / "cudnn.h").is_file()
@@ -138,7 +138,7 @@ def test_dry_run_prints_the_exact_environment_and_command(cudnn_venv: Path, tmp_
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout)
     env = parse_exports(result.stdout)
-    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
+    cudnn = _venv_cudnn.find_cudnn(cudnn_venv)
     assert env["CUDNN_PATH"] == env["CUDNN_HOME"] == str(cudnn.root)
     assert env["CUDNN_INCLUDE_PATH"] == str(cudnn.include)
     assert env["CUDNN_LIBRARY_PATH"] == str(cudnn.lib)

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT, cli, prebuilt, tools
+from ep_image.build_steps._te_wheels import TE_RECORD
+from ep_image.build_steps._venv_cudnn import CudnnError, find_cudnn
 from ep_image.build_steps.te_environment import (
     BUILD_REQUIREMENTS,
     build_command,
@@ -48,8 +50,6 @@ from ep_image.build_steps.te_source import (
     source_commit,
     te_version,
 )
-from ep_image.build_steps.te_wheels import TE_RECORD
-from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn
 from ep_image.project import VenvError, locked_versions, sha256_file, write_json
 from ep_image.record_path import not_a_file
 
@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     not the base image's copy; the image then loads that same cuDNN first, stage_cudnn.py):
 
     1. find that cuDNN in the venv (``site-packages/nvidia/cudnn/{include,lib}``) and read its
-       version from ``cudnn_version.h`` (ep_image/build_steps/venv_cudnn.py);
+       version from ``cudnn_version.h`` (ep_image/build_steps/_venv_cudnn.py);
     2. check that the TE source tree holds what TE's CMake needs (its git submodules are missing
        from plain snapshots) and, where only the cuDNN frontend headers are missing, point TE at
        the ``nvidia-cudnn-frontend`` wheel the lock pins (ep_image/build_steps/te_source.py);
@@ -367,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     ``--mode skip``) writes a ``te-build.json`` that records that TE was not built (CPU-only
     test images). Host mode and the image's ``te`` stage run this same command. Without
     ``--venv`` it makes a throwaway venv from the lock (the ``moe`` extra without
-    transformer-engine, ep_image/build_steps/lock_sync.py); without a TE checkout (``--source``
+    transformer-engine, ep_image/build_steps/_lock_sync.py); without a TE checkout (``--source``
     omitted, or ``--clone-unless-source`` and a directory without setup.py, as the image's
     default TE_SOURCE) it clones the git URL and commit pyproject.toml pins, through any
     ``url.<mirror>.insteadOf`` of the git config. Both are deleted when the build ends. Only

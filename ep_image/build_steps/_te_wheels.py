@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ep_image.build_steps.uv_run import run
+from ep_image.build_steps._uv_run import run
 from ep_image.cli import FixableError
 from ep_image.project import sha256_file
 
