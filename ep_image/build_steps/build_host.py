@@ -76,7 +76,7 @@ def build_parser() -> cli.Parser:
         metavar=VALUES["--te-wheel"],
         action="append",
         default=[],
-        help="Transformer Engine wheel from ep_image/build_steps/build_te.py, put in every venv",
+        help="Transformer Engine wheel from ep_image.build_steps.build_te, put in every venv",
     )
     parser.add_argument(
         "--python",

@@ -93,7 +93,7 @@ def build_parser() -> cli.Parser:
         default=[],
         type=Path,
         metavar="PATH",
-        help="Transformer Engine wheel from build_te.py, installed with --no-deps (repeatable)",
+        help="Transformer Engine wheel from build_te, installed with --no-deps (repeatable)",
     )
     parser.add_argument(
         "--te-wheel-dir",

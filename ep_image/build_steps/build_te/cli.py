@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Source-build Transformer Engine (TE) against the cuDNN inside a uv venv, once per image or host:
 the command, the plan it prints or builds, and te-build.json.
 
 Why: a TE built against any other cuDNN imports fine and fails late, in fused-attention backward.
-The source tree's checks are te_source's, the build venv and environment te_environment's.
+The source tree's checks are in ``source``, the build venv and environment in ``environment``.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from pathlib import Path
 from ep_image import SOURCE_ROOT, cli, prebuilt, tools
 from ep_image.build_steps._te_wheels import TE_RECORD
 from ep_image.build_steps._venv_cudnn import CudnnError, find_cudnn
-from ep_image.build_steps.te_environment import (
+from ep_image.build_steps.build_te.environment import (
     BUILD_REQUIREMENTS,
     build_command,
     build_env,
@@ -35,7 +34,7 @@ from ep_image.build_steps.te_environment import (
     nvte_archs,
     torch_version,
 )
-from ep_image.build_steps.te_source import (
+from ep_image.build_steps.build_te.source import (
     BuildTeError,
     apply_links,
     check_pins,
@@ -355,11 +354,11 @@ def run(args: argparse.Namespace) -> int:
        version from ``cudnn_version.h`` (ep_image/build_steps/_venv_cudnn.py);
     2. check that the TE source tree holds what TE's CMake needs (its git submodules are missing
        from plain snapshots) and, where only the cuDNN frontend headers are missing, point TE at
-       the ``nvidia-cudnn-frontend`` wheel the lock pins (ep_image/build_steps/te_source.py);
+       the ``nvidia-cudnn-frontend`` wheel the lock pins (ep_image/build_steps/build_te/source.py);
     3. build the wheel with the venv's own Python and no build isolation (TE's torch extension
        must compile against the venv's torch), with the environment variables TE's build reads
        (``CUDNN_PATH``/``CUDNN_HOME``, ``NVTE_FRAMEWORK``, ``NVTE_CUDA_ARCHS``, ``MAX_JOBS``,
-       ``NVTE_BUILD_THREADS_PER_JOB``; ep_image/build_steps/te_environment.py);
+       ``NVTE_BUILD_THREADS_PER_JOB``; ep_image/build_steps/build_te/environment.py);
     4. write ``te-build.json`` beside the wheel, so probes and the image can compare the cuDNN
        TE was built against with the one that is loaded.
 
@@ -402,7 +401,3 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv, terminate_cleanly=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
