@@ -1,4 +1,4 @@
-"""ep_image/build_steps/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
+"""ep_image/build_steps/dedup/ (util-linux hardlink plus our rules) on real venvs made by uv.
 
 The venvs are made with UV_LINK_MODE=copy: every file a separate copy. Each test states one rule
 of docs/host-mode.md ("Deduplicating venvs") and checks it against an independent measurement:

@@ -1,4 +1,4 @@
-"""ep_image/build_steps/dedup.py when a run does not go as planned: killed, a ROOT or a file
+"""ep_image/build_steps/dedup/ when a run does not go as planned: killed, a ROOT or a file
 removed under it, a bad argument, odd names, inodes shared with the world outside the ROOTs.
 
 Each test runs dedup.py as a subprocess on real trees, with the real util-linux hardlink, and

@@ -1,6 +1,6 @@
 """Create one EP backend's venv under a prefix from the committed uv.lock, atomically: its three
 build modes (a venv; the image's skeletons; completing a skeleton in place); the command line
-and its typed options are in ``make_venv_options``.
+and its typed options are in ``options``.
 Why: the DeepEP backends all ship ``deep_ep``, and every backend brings its own native libraries,
 so each gets a venv of its own, built from the lock alone.
 """
@@ -26,7 +26,7 @@ from ep_image.build_steps._te_wheels import (
     install_te,
 )
 from ep_image.build_steps._uv_run import BuildError, tail, uv_executable
-from ep_image.build_steps.atomic_venv import (
+from ep_image.build_steps.make_venv.atomic_venv import (
     assert_relocated,
     building,
     move_into_place,
@@ -35,25 +35,25 @@ from ep_image.build_steps.atomic_venv import (
     remove_stale,
     stale_temp_dirs,
 )
-from ep_image.build_steps.backend_sync import Wheels, sync_backend
-from ep_image.build_steps.bytecode import (
+from ep_image.build_steps.make_venv.backend_sync import Wheels, sync_backend
+from ep_image.build_steps.make_venv.bytecode import (
     compile_bytecode,
     compile_new_sources,
     python_sources,
 )
-from ep_image.build_steps.make_venv_options import (
+from ep_image.build_steps.make_venv.options import (
     PROG,
     Mode,
     Options,
     parse_args,
 )
-from ep_image.build_steps.venv_checks import (
+from ep_image.build_steps.make_venv.venv_checks import (
     check_abi,
     check_files,
     check_imports,
     verify_backend,
 )
-from ep_image.build_steps.venv_record import (
+from ep_image.build_steps.make_venv.venv_record import (
     SKELETONS_RECORD,
     build_info,
     installed_distributions,
@@ -312,7 +312,3 @@ def run(opts: Options) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv, terminate_cleanly=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
