@@ -31,6 +31,7 @@ from ep_image.build_steps import _venv_cudnn
 from ep_image.build_steps.build_te.environment import nvte_archs
 from ep_image.build_steps.build_te.source import (
     BuildTeError,
+    apply_links,
     check_pins,
     clone_pinned,
     pinned_commit,
@@ -228,11 +229,11 @@ def test_a_link_left_by_an_earlier_build_is_replaced(tmp_path: Path) -> None:
     include.symlink_to(tmp_path / "gone-venv" / "include", target_is_directory=True)
     headers = tmp_path / "venv" / "include"
     headers.mkdir(parents=True)
-    te_source.apply_links(tmp_path / "te", {"3rdparty/cudnn-frontend/include": headers})
+    apply_links(tmp_path / "te", {"3rdparty/cudnn-frontend/include": headers})
     assert include.is_symlink() and include.resolve() == headers.resolve()
     empty = tmp_path / "te" / "3rdparty" / "cutlass"
     empty.mkdir()  # an uninitialised submodule
-    te_source.apply_links(tmp_path / "te", {"3rdparty/cutlass": headers})
+    apply_links(tmp_path / "te", {"3rdparty/cutlass": headers})
     assert empty.is_symlink()
 
 
