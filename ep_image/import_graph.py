@@ -73,10 +73,11 @@ def imported_modules(
 
 def needed_by(commands: list[str], root: Path = ROOT) -> set[str]:
     """Every module the ``commands`` (module names) import, directly or not, with themselves and
-    every package above each (Python runs a package's ``__init__`` before its modules)."""
+    every package above each (Python runs a package's ``__init__`` before its modules); a command
+    that is a package brings its ``__main__``, which ``python -m`` runs and nothing imports."""
     known = modules(root)
     seen: set[str] = set()
-    todo = list(commands)
+    todo = [*commands, *(f"{c}.__main__" for c in commands)]
     while todo:
         name = todo.pop()
         if name in seen or name not in known:

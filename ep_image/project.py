@@ -18,7 +18,7 @@ from typing import Any
 
 from ep_image.record_path import RecordPathError, not_a_file
 
-# A venv's record, written by ep_image/build_steps/make_venv.py and read by the image's steps: a
+# A venv's record, written by ep_image.build_steps.make_venv and read by the image's steps: a
 # finished backend venv, or (venvs-common) a skeleton without its backend's distribution.
 VENV_RECORD = "ep-backend.json"
 SKELETON_RECORD = "ep-skeleton.json"

@@ -118,6 +118,18 @@ def test_no_import_circle_among_ep_image_modules() -> None:
     assert not found, "\n".join(found)
 
 
+def test_a_command_that_is_a_package_needs_its_main() -> None:
+    """``python -m`` on a package runs its ``__main__``, which no module imports: the import
+    graph counts it with the command, so the Dockerfile's input stages copy it."""
+    needed = import_graph.needed_by(["ep_image.build_steps.dedup"], ROOT)
+    assert {
+        "ep_image.build_steps",
+        "ep_image.build_steps.dedup",
+        "ep_image.build_steps.dedup.__main__",
+        "ep_image.build_steps.dedup.tree",
+    } <= needed
+
+
 def test_the_circle_test_sees_function_level_imports_and_circles(tmp_path: Path) -> None:
     """Guards the two halves of the test above on a made-up graph and source."""
     source = (

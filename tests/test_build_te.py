@@ -1,4 +1,4 @@
-"""ep_image/build_steps/build_te.py against real venvs made with uv (no mocks).
+"""ep_image/build_steps/build_te/ against real venvs made with uv (no mocks).
 
 What this proves: discovery finds the headers and libraries of the real nvidia-cudnn-cu13 wheel
 the lock pins (site-packages/nvidia/cudnn/{include,lib}) and reads its version from
@@ -27,7 +27,16 @@ from _venv_helpers import build_wheel
 from test_source_build import fake_cuda
 
 from ep_image import prebuilt, project
-from ep_image.build_steps import te_environment, te_source, venv_cudnn
+from ep_image.build_steps import _venv_cudnn
+from ep_image.build_steps.build_te.environment import nvte_archs
+from ep_image.build_steps.build_te.source import (
+    BuildTeError,
+    apply_links,
+    check_pins,
+    clone_pinned,
+    pinned_commit,
+    source_commit,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "ep_image.build_steps.build_te"
@@ -98,7 +107,7 @@ def parse_exports(stdout: str) -> dict[str, str]:
 
 
 def test_discovery_finds_the_wheels_headers_libs_and_version(cudnn_venv: Path) -> None:
-    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
+    cudnn = _venv_cudnn.find_cudnn(cudnn_venv)
     site = next(cudnn_venv.glob("lib/python3*/site-packages"))
     assert cudnn.root == site / "nvidia" / "cudnn"
     assert (cudnn.include / "cudnn.h").is_file()
@@ -138,7 +147,7 @@ def test_dry_run_prints_the_exact_environment_and_command(cudnn_venv: Path, tmp_
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout)
     env = parse_exports(result.stdout)
-    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
+    cudnn = _venv_cudnn.find_cudnn(cudnn_venv)
     assert env["CUDNN_PATH"] == env["CUDNN_HOME"] == str(cudnn.root)
     assert env["CUDNN_INCLUDE_PATH"] == str(cudnn.include)
     assert env["CUDNN_LIBRARY_PATH"] == str(cudnn.lib)
@@ -220,26 +229,26 @@ def test_a_link_left_by_an_earlier_build_is_replaced(tmp_path: Path) -> None:
     include.symlink_to(tmp_path / "gone-venv" / "include", target_is_directory=True)
     headers = tmp_path / "venv" / "include"
     headers.mkdir(parents=True)
-    te_source.apply_links(tmp_path / "te", {"3rdparty/cudnn-frontend/include": headers})
+    apply_links(tmp_path / "te", {"3rdparty/cudnn-frontend/include": headers})
     assert include.is_symlink() and include.resolve() == headers.resolve()
     empty = tmp_path / "te" / "3rdparty" / "cutlass"
     empty.mkdir()  # an uninitialised submodule
-    te_source.apply_links(tmp_path / "te", {"3rdparty/cutlass": headers})
+    apply_links(tmp_path / "te", {"3rdparty/cutlass": headers})
     assert empty.is_symlink()
 
 
 def test_arch_list_conversion_and_errors() -> None:
-    assert te_environment.nvte_archs("9.0;10.0") == "90;100"
-    assert te_environment.nvte_archs("9.0 10.0a") == "90;100a"
-    with pytest.raises(te_source.BuildTeError, match="compute capabilities"):
-        te_environment.nvte_archs("sm_90")
+    assert nvte_archs("9.0;10.0") == "90;100"
+    assert nvte_archs("9.0 10.0a") == "90;100a"
+    with pytest.raises(BuildTeError, match="compute capabilities"):
+        nvte_archs("sm_90")
 
 
 def test_source_commit_must_match_the_pin() -> None:
     record = {"te_commit_pinned": "a" * 40, "te_commit_source": "b" * 40}
-    with pytest.raises(te_source.BuildTeError, match=r"pyproject\.toml pins"):
-        te_source.check_pins(record)
-    te_source.check_pins({"te_commit_pinned": "a" * 40, "te_commit_source": None})
+    with pytest.raises(BuildTeError, match=r"pyproject\.toml pins"):
+        check_pins(record)
+    check_pins({"te_commit_pinned": "a" * 40, "te_commit_source": None})
 
 
 def fake_te_project(tmp_path: Path) -> tuple[Path, str]:
@@ -275,11 +284,11 @@ def test_clone_of_the_pin_goes_through_the_git_config(
     )
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    dest = te_source.clone_pinned(project, tmp_path / "src")
-    assert te_source.source_commit(dest) == commit
+    dest = clone_pinned(project, tmp_path / "src")
+    assert source_commit(dest) == commit
     config.write_text('[url "file:///nonexistent/"]\n\tinsteadOf = https://github.com/\n')
-    with pytest.raises(te_source.BuildTeError, match="gitconfig secret"):
-        te_source.clone_pinned(project, tmp_path / "src2")
+    with pytest.raises(BuildTeError, match="gitconfig secret"):
+        clone_pinned(project, tmp_path / "src2")
 
 
 # --- a prebuilt TE wheel (--prebuilt, the image's PREBUILT_WHEELS) ---------------------------
@@ -294,7 +303,7 @@ def prebuilt_dir(path: Path, **changes: object) -> Path:
     wheel.rename(tagged)
     record = {
         "skipped": False,
-        "te_commit": te_source.pinned_commit(ROOT),
+        "te_commit": pinned_commit(ROOT),
         "torch_version": locked_version("torch"),
         "cudnn_dist_version": locked_version("nvidia-cudnn-cu13"),
         "cudnn_frontend_version": locked_version("nvidia-cudnn-frontend"),

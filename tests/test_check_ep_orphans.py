@@ -13,11 +13,13 @@ test (root only), so nothing else on the machine is pressed.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +29,7 @@ import pytest
 from conftest import clean_env
 
 from ep_image import child_env
-from ep_image.probes import _memory
+from ep_image.probes import _lifeline, _memory
 
 GiB = 1 << 30
 HANG = ["--backend-class", "broken_backends:HangsInBuffer", "--scenarios", "none"]
@@ -126,6 +128,84 @@ def test_every_rank_ends_on_its_own_when_its_launcher_is_killed(
         job.kill()
         kill_all(started)
         log.close()
+
+
+@pytest.mark.parametrize("child_leaves", [True, False])
+def test_a_forked_backend_process_does_not_hold_the_job_directory(
+    tmp_path: Path, child_leaves: bool
+) -> None:
+    """A rank's backend process is forked from it and inherits the job directory's locked
+    descriptor: unless it closes that copy, a backend process still dying when its rank leaves
+    holds the rank's shared lock, the rank cannot take the exclusive one, and the directory
+    stays behind (seen once under load). With the child's copy closed, the rank's leaving
+    removes it; the child that keeps its copy shows what the close prevents."""
+    job = tmp_path / "job"
+    job.mkdir()
+    line = _lifeline.Lifeline()
+    line._job_fd = _lifeline.hold_job_dir(fcntl.LOCK_SH, str(job))
+    assert line._job_fd is not None
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the backend process: alive while its rank leaves
+        if child_leaves:
+            line.leave_to_parent()
+        os.write(ready_w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        _lifeline.leave_job_dir(line._job_fd, str(job))
+        assert job.exists() is not child_leaves
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(ready_w)
+
+
+RANK_ENDING_FIRST = """
+import os, sys, time
+from ep_image.probes import _lifeline
+_lifeline.lifeline.start()
+print("ready", flush=True)
+parent = int(os.environ[_lifeline.LAUNCHER_PID_ENV])
+while os.getppid() == parent:
+    time.sleep(0.005)
+sys.exit(1)  # as a store call on the dead launcher's socket ends the rank's main thread
+"""
+
+LAUNCHER_DYING = """
+import os, subprocess, sys
+from ep_image.probes import _lifeline
+env = dict(os.environ, **{_lifeline.LAUNCHER_PID_ENV: str(os.getpid()),
+                          _lifeline.JOB_DIR_ENV: sys.argv[1]})
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[2]], env=env, stdout=subprocess.PIPE,
+                        text=True, start_new_session=True)
+assert rank.stdout.readline().strip() == "ready"
+print(rank.pid, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_whose_main_thread_ends_first_still_removes_the_job_directory(
+    tmp_path: Path,
+) -> None:
+    """The launcher dies and the rank's main thread exits at once (its store calls fail), before
+    the lifeline's watch has looked: the rank's exit still lets go of the job's directory, and
+    as the last holder removes it (seen once under load: the directory stayed behind)."""
+    job = tmp_path / "job"
+    job.mkdir()
+    launched = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LAUNCHER_DYING), str(job), RANK_ENDING_FIRST],
+        env=child_env(clean_env()), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr
+    rank = int(launched.stdout.split()[-1])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (Path(f"/proc/{rank}").exists() or job.exists()):
+        time.sleep(0.05)
+    assert not Path(f"/proc/{rank}").exists(), "the rank still runs 15 s after its launcher died"
+    assert not job.exists(), "the job's directory stayed behind"
 
 
 # ---- memory ---------------------------------------------------------------------------------

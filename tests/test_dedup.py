@@ -1,4 +1,4 @@
-"""ep_image/build_steps/dedup.py (util-linux hardlink plus our rules) on real venvs made by uv.
+"""ep_image/build_steps/dedup/ (util-linux hardlink plus our rules) on real venvs made by uv.
 
 The venvs are made with UV_LINK_MODE=copy: every file a separate copy. Each test states one rule
 of docs/host-mode.md ("Deduplicating venvs") and checks it against an independent measurement:
@@ -38,7 +38,8 @@ from _venv_helpers import (
     uv,
 )
 
-from ep_image.build_steps import dedup, dedup_tree
+from ep_image.build_steps import dedup
+from ep_image.build_steps.dedup.tree import TEMP_SUFFIX
 
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534
@@ -226,7 +227,7 @@ def test_crash_mid_run_leaves_every_path_a_complete_file(venvs, tmp_path: Path, 
 
     report = dedup_json(tmp_path, a, b)
     assert report["stale_temps_removed"] == 0
-    assert not [p for r in (a, b) for p in r.rglob(f"*{dedup_tree.TEMP_SUFFIX}")]
+    assert not [p for r in (a, b) for p in r.rglob(f"*{TEMP_SUFFIX}")]
     assert both(a, b) == before
 
 

@@ -26,10 +26,10 @@ import pytest
 from _fault_inject import build_shim, faulty_env
 from _venv_helpers import inodes, run_dedup, snapshot
 
-from ep_image.build_steps import dedup_tree
-from ep_image.build_steps.dedup_report import Report
+from ep_image.build_steps.dedup.report import Report
+from ep_image.build_steps.dedup.tree import TEMP_SUFFIX
 
-TEMP = dedup_tree.TEMP_SUFFIX
+TEMP = TEMP_SUFFIX
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ def test_a_journal_entry_swapped_for_a_link_mid_restore_is_left_alone(
     link raised NotImplementedError and the run ended in a traceback. Now the file is opened
     once, checked and changed through that one descriptor: the inode the journal named gets
     its mode back wherever it is now, and the link is never followed or changed."""
-    from ep_image.build_steps import dedup_read_only
+    from ep_image.build_steps.dedup.read_only import MODES_JOURNAL, restore_journals
 
     root = tmp_path / "root"
     root.mkdir()
@@ -215,7 +215,7 @@ def test_a_journal_entry_swapped_for_a_link_mid_restore_is_left_alone(
         path.chmod(0o444)  # as a killed --read-only run left it: 0644 less its write bits
         st = path.stat()
         entries.append([path.name, st.st_dev, st.st_ino, 0o644])
-    journal = root / dedup_read_only.MODES_JOURNAL
+    journal = root / MODES_JOURNAL
     journal.write_text(json.dumps({"modes": entries}))
     journal.chmod(0o600)
     swapped, aside = root / "f2.so", root / "moved-aside"
@@ -236,7 +236,7 @@ def test_a_journal_entry_swapped_for_a_link_mid_restore_is_left_alone(
         monkeypatch.setattr(os, name, swap_after(name))
     report = Report(roots=[str(root)], device=root.stat().st_dev, dry_run=False, read_only=False)
     try:
-        dedup_read_only.restore_journals([root], report, dry_run=False)
+        restore_journals([root], report, dry_run=False)
     finally:
         monkeypatch.undo()
     assert swapped.is_symlink(), "the swap happened"

@@ -1,4 +1,4 @@
-"""ep_image/build_steps/dedup.py when a run does not go as planned: killed, a ROOT or a file
+"""ep_image/build_steps/dedup/ when a run does not go as planned: killed, a ROOT or a file
 removed under it, a bad argument, odd names, inodes shared with the world outside the ROOTs.
 
 Each test runs dedup.py as a subprocess on real trees, with the real util-linux hardlink, and
@@ -38,7 +38,7 @@ from _venv_helpers import (
     snapshot,
 )
 
-from ep_image.build_steps.dedup_report import Report
+from ep_image.build_steps.dedup.report import Report
 
 PACKAGES = ("six==1.17.0", "packaging==26.4")
 TRACEBACK = "Traceback"
@@ -143,10 +143,10 @@ def test_a_journal_entry_through_a_symbolic_link_is_refused(venvs, tmp_path: Pat
 
 
 def _restore(root: Path) -> Report:
-    from ep_image.build_steps import dedup_read_only
+    from ep_image.build_steps.dedup.read_only import restore_journals
 
     report = Report(roots=[str(root)], device=root.stat().st_dev, dry_run=False, read_only=False)
-    dedup_read_only.restore_journals([root], report, dry_run=False)
+    restore_journals([root], report, dry_run=False)
     return report
 
 

@@ -161,7 +161,8 @@ def test_every_build_arg_is_documented_with_a_default() -> None:
 
 
 def test_input_stages_hold_what_the_build_steps_import(tmp_path: Path) -> None:
-    """te-inputs / venv-inputs copy single files; each build step must run from just those."""
+    """te-inputs / venv-inputs copy single files and whole packages; each build step (a module,
+    or a package with its ``__main__``) must run from just those."""
     text = DOCKERFILE.read_text()
     for stage, step in (("te-inputs", "build_te"), ("venv-inputs", "make_venv")):
         body = text.split(f"AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
@@ -184,12 +185,14 @@ def test_input_stages_hold_what_the_build_steps_import(tmp_path: Path) -> None:
         # Every step the stage holds (make_venv runs dedup as a subprocess), importing only the
         # stage's copy of the package: no PYTHONPATH to this checkout.
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        for held in sorted((root / "ep_image" / "build_steps").glob("[!_]*.py")):
-            module = f"ep_image.build_steps.{held.stem}"
+        steps = root / "ep_image" / "build_steps"
+        held = [*steps.glob("[!_]*.py"), *(p.parent for p in steps.glob("[!_]*/__main__.py"))]
+        for command in sorted(held):
+            module = f"ep_image.build_steps.{command.stem}"
             proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, env=env,
                                   capture_output=True, text=True)  # fmt: skip
             assert proc.returncode == 0, f"{stage} lacks a module {module} imports:\n{proc.stderr}"
-        assert (root / "ep_image" / "build_steps" / f"{step}.py").is_file()
+        assert (steps / step / "__main__.py").is_file() or (steps / f"{step}.py").is_file()
 
 
 def test_storage_driver_is_overlay_only_where_it_mounts(

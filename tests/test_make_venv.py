@@ -212,8 +212,8 @@ def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
     host = ROOT / "ep_image" / "build_steps" / "build_host.py"
     assert '"ep_image.build_steps.make_venv"' in host.read_text()
     build = ROOT / "ep_image" / "build_steps"
-    assert "nvshmem.build_environment(" in (build / "backend_sync.py").read_text()
-    assert "sync_backend(" in (build / "make_venv.py").read_text()
+    assert "nvshmem.build_environment(" in (build / "make_venv" / "backend_sync.py").read_text()
+    assert "sync_backend(" in (build / "make_venv" / "cli.py").read_text()
     for path in [*(ROOT / "docker").iterdir(), SCRIPTS / "build_host.sh", host]:
         if path.is_file():
             assert "NVSHMEM_DIR" not in path.read_text(), f"{path} has its own NVSHMEM set-up"

@@ -1,4 +1,4 @@
-"""ep_image/build_steps/make_venv.py when the user's machine gets in the way: one line naming the
+"""ep_image/build_steps/make_venv/ when the user's machine gets in the way: one line naming the
 fix, no traceback, nothing half-built left, and never a second build deleting the first one's
 work.
 
@@ -128,7 +128,7 @@ def test_a_signal_mid_build_leaves_nothing_half_built(
 def test_a_rebuild_swaps_the_venv_in_one_step(tmp_path: Path) -> None:
     """The exchange make_venv uses to replace a venv: both paths exist throughout, each now
     the other's, and the replaced tree is what the rebuild removes."""
-    from ep_image.build_steps import atomic_venv
+    from ep_image.build_steps.make_venv import atomic_venv
 
     old, new = tmp_path / "venv", tmp_path / ".venv.tmp-x"
     for path, text in ((old, "old"), (new, "new")):
@@ -155,7 +155,7 @@ def two_venvs(tmp_path: Path) -> tuple[Path, Path]:
 
 def cannot_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
     """A file system without RENAME_EXCHANGE (renameat2 answers EINVAL): the fallback runs."""
-    from ep_image.build_steps import atomic_venv
+    from ep_image.build_steps.make_venv import atomic_venv
 
     def refuse(a: Path, b: Path, flags: int) -> None:
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(a), None, str(b))
@@ -179,7 +179,7 @@ def test_without_an_exchange_a_signal_between_the_renames_waits_for_them(
     enough: the kernel gave the signal to that thread, and its handler ran in the main thread
     between the renames all the same."""
     from ep_image import cli
-    from ep_image.build_steps import atomic_venv
+    from ep_image.build_steps.make_venv import atomic_venv
 
     if other_thread:
         stop = threading.Event()
@@ -214,7 +214,7 @@ def test_without_an_exchange_a_signal_between_the_renames_waits_for_them(
 def test_without_an_exchange_a_failed_rename_puts_the_old_venv_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ep_image.build_steps import atomic_venv
+    from ep_image.build_steps.make_venv import atomic_venv
 
     final, temp = two_venvs(tmp_path)
     cannot_exchange(monkeypatch)
@@ -240,7 +240,8 @@ def test_without_an_exchange_a_failed_rename_puts_the_old_venv_back(
 DRIVER = """
 import errno, json, os, shutil, signal, sys
 from pathlib import Path
-from ep_image.build_steps import atomic_venv, make_venv
+from ep_image.build_steps import make_venv
+from ep_image.build_steps.make_venv import atomic_venv
 
 signum = int(os.environ.get("EP_TEST_SIGNUM", "0"))
 at = os.environ.get("EP_TEST_SIGNAL_AT", "")
@@ -356,7 +357,7 @@ def test_a_second_signal_during_the_cleanup_is_said_with_what_it_left(tmp_path: 
 
 
 def can_exchange(where: Path) -> bool:
-    from ep_image.build_steps import atomic_venv
+    from ep_image.build_steps.make_venv import atomic_venv
 
     a, b = where / "probe-a", where / "probe-b"
     a.mkdir()

@@ -24,8 +24,8 @@ from _venv_helpers import ROOT, install, make_uv_venv, site_packages
 from ep_image import abi, ld_trace
 from ep_image import backends as ep_backends
 from ep_image.build_steps import check_installed
-from ep_image.build_steps.uv_run import BuildError
-from ep_image.build_steps.venv_checks import check_abi
+from ep_image.build_steps._uv_run import BuildError
+from ep_image.build_steps.make_venv.venv_checks import check_abi
 
 BACKEND = "ncclep"
 SPEC = ep_backends.spec(BACKEND)

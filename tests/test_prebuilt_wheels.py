@@ -22,7 +22,7 @@ from test_make_venv import leftovers, make_venv
 from test_source_build import fake_cuda
 
 from ep_image import nvshmem, project
-from ep_image.build_steps import backend_wheels
+from ep_image.build_steps.make_venv import backend_wheels
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None,

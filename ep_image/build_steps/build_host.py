@@ -42,7 +42,7 @@ EPILOG = """\
 Exit codes: 0 all built; 1 a backend failed (the others are built and deduplicated); 2 usage.
 Needs: uv (on PATH, or installed by python3 scripts/bootstrap.py), Python >= 3.11
 to run the scripts (PYTHON=..., else python3, else uv's). Every step is
-ep_image/build_steps/make_venv.py, the command the image's ep-<backend> stages run too: HybridEP's
+ep_image/build_steps/make_venv/, the command the image's ep-<backend> stages run too: HybridEP's
 NVSHMEM set-up included.
 docs/host-mode.md is the guide."""
 
@@ -76,7 +76,7 @@ def build_parser() -> cli.Parser:
         metavar=VALUES["--te-wheel"],
         action="append",
         default=[],
-        help="Transformer Engine wheel from ep_image/build_steps/build_te.py, put in every venv",
+        help="Transformer Engine wheel from ep_image.build_steps.build_te, put in every venv",
     )
     parser.add_argument(
         "--python",

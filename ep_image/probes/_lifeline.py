@@ -12,6 +12,7 @@ rank out removes the job's directory (docs/probes.md, "check-ep").
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -57,6 +58,8 @@ class Lifeline:
         self._paths: set[str] = set()
         self._thread: threading.Thread | None = None
         self._job_fd: int | None = None
+        self._pid = 0  # the process that started the watch (a forked child is not it)
+        self._ending = False
 
     def start(self) -> None:
         """Watch the parent (once per process; only in a launched rank)."""
@@ -64,8 +67,21 @@ class Lifeline:
             if self._thread is not None or not launched():
                 return
             self._job_fd = hold_job_dir(fcntl.LOCK_SH)
+            self._pid = os.getpid()
             self._thread = threading.Thread(target=self._watch, name="ep-lifeline", daemon=True)
             self._thread.start()
+            atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """The rank is exiting on its own (its store calls fail once the launcher is gone, and
+        the exception can end the main thread before the watch has seen it): if the parent is
+        gone, or the watch is already ending the rank, finish that here, or the daemon watch
+        dies with the interpreter before it lets go of the job's directory."""
+        if os.getpid() != self._pid:
+            return
+        parent = expected_parent()
+        if self._ending or os.getppid() != parent:
+            self.end(parent)
 
     def own_group(self, pgid: int) -> None:
         """A process group (the backend process's) to stop if the parent goes."""
@@ -76,6 +92,16 @@ class Lifeline:
         """A temporary directory of this process's to remove if the parent goes."""
         with self._lock:
             self._paths.add(os.fspath(path))
+
+    def leave_to_parent(self) -> None:
+        """In a forked child: close the copy of the job directory's descriptor the fork gave
+        it. A flock belongs to the descriptor's shared open file, so a child that kept the copy
+        would hold the rank's shared lock until it died: a child slow to die after SIGKILL made
+        every rank's exclusive try fail, and the job's directory stayed behind."""
+        fd, self._job_fd = self._job_fd, None  # no lock: another thread may hold it at the fork
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def release_group(self, pgid: int) -> None:
         """The group ended the ordinary way."""
@@ -96,6 +122,11 @@ class Lifeline:
     def end(self, parent: int) -> None:
         """The parent is gone: say so, stop the owned groups, remove the owned directories, let
         go of the job's directory (removing it when last) and exit."""
+        with self._lock:
+            first, self._ending = not self._ending, True
+        if not first:  # the other thread is ending this process: its os._exit comes
+            time.sleep(30)
+            os._exit(EXIT_ORPHANED)
         rank = os.environ.get("RANK", "?")
         with contextlib.suppress(Exception):
             print(

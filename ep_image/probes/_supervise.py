@@ -247,6 +247,7 @@ def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
     try:
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)  # a group of its own: stopped whole, whatever it starts
+        lifeline.leave_to_parent()  # the job directory's lock stays the rank's alone
         _die_with_parent()
         os.environ[CHILD_ENV] = "1"
         progress.path = crumb

@@ -18,9 +18,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ep_image import cli
-from ep_image.build_steps import dedup_tree
-from ep_image.build_steps.dedup_report import Report
-from ep_image.build_steps.dedup_tree import MODES_JOURNAL, WRITE_BITS, DedupError, Tree
+from ep_image.build_steps.dedup.report import Report
+from ep_image.build_steps.dedup.tree import (
+    MODES_JOURNAL,
+    WRITE_BITS,
+    DedupError,
+    Tree,
+    paths_regexes,
+    read_own_journal,
+    write_own_journal,
+)
 
 #: The --exclude regexes of the copies also linked from outside may not pass this: a command
 #: line holds about 2 MiB in all.
@@ -119,7 +126,7 @@ def write_journals(tree: Tree, clear: dict[tuple[int, int], int], roots: Sequenc
         try:
             # Owner-only and new: a journal is trusted only when nobody else could have written
             # it (restore_journals).
-            dedup_tree.write_own_journal(journal, record)
+            write_own_journal(journal, record)
         except OSError as exc:
             raise DedupError(
                 f"cannot write {journal}, where --read-only records the modes it clears so "
@@ -168,7 +175,7 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
     """Give back the modes a killed --read-only run cleared (its journals), then drop them.
 
     A journal is acted on only when this user wrote it and nobody else can
-    (``dedup_tree.read_own_journal``), and a mode is given back only where its entry names a
+    (``read_own_journal``), and a mode is given back only where its entry names a
     file under that ROOT (no ``..``, no symbolic link on the way) that is still the inode the
     journal names and still has the mode the run left (its write bits cleared, nothing else
     changed since), checked and changed through one descriptor of it.
@@ -178,7 +185,7 @@ def restore_journals(roots: Sequence[Path], report: Report, *, dry_run: bool) ->
         if not dry_run:  # a run killed while writing its journal had cleared nothing yet
             (root / (MODES_JOURNAL + ".tmp")).unlink(missing_ok=True)
         try:
-            why, text = dedup_tree.read_own_journal(journal)
+            why, text = read_own_journal(journal)
             if why is not None:
                 report.failures.append(
                     f"{journal}: refused, {why}: dedup writes its journal owner-only, so this "
@@ -295,7 +302,7 @@ def keep_apart(tree: Tree, clear: dict[tuple[int, int], int]) -> list[str]:
 def apart_excludes(apart: list[str]) -> list[str]:
     """hardlink's --exclude regexes for ``apart``; DedupError when they would not fit on a
     command line."""
-    regexes = dedup_tree.paths_regexes(apart)
+    regexes = paths_regexes(apart)
     if sum(map(len, regexes)) > EXCLUDE_REGEX_LIMIT:
         raise DedupError(
             f"{len(apart)} files here are also linked from outside the ROOTs and have copies "

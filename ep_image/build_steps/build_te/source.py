@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image.build_steps.te_wheels import TE_DISTRIBUTION
-from ep_image.build_steps.venv_cudnn import dist_version
+from ep_image.build_steps._te_wheels import TE_DISTRIBUTION
+from ep_image.build_steps._venv_cudnn import dist_version
 from ep_image.project import PinError, pinned_git, site_packages
 
 FRONTEND_DIST = "nvidia-cudnn-frontend"

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image.build_steps.te_wheels import TE_DISTRIBUTION
-from ep_image.build_steps.uv_run import BuildError
+from ep_image.build_steps._te_wheels import TE_DISTRIBUTION
+from ep_image.build_steps._uv_run import BuildError
 from ep_image.project import SKELETON_RECORD, VENV_RECORD, sha256_file, write_json
 
 #: The --skeleton run's record, in the prefix: which skeletons, from what, deduplicated.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import source_build
-from ep_image.build_steps.uv_run import BuildError
+from ep_image.build_steps._uv_run import BuildError
 
 
 def prepare_source_build(

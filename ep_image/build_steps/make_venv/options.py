@@ -13,10 +13,10 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import cli
-from ep_image.build_steps.backend_sync import Wheels
-from ep_image.build_steps.bytecode import wants_bytecode
-from ep_image.build_steps.te_wheels import TE_RECORD, select_te_wheels
-from ep_image.build_steps.venv_record import SKELETONS_RECORD
+from ep_image.build_steps._te_wheels import TE_RECORD, select_te_wheels
+from ep_image.build_steps.make_venv.backend_sync import Wheels
+from ep_image.build_steps.make_venv.bytecode import wants_bytecode
+from ep_image.build_steps.make_venv.venv_record import SKELETONS_RECORD
 from ep_image.project import SKELETON_RECORD, VENV_RECORD
 
 PROG = "make_venv"
@@ -93,7 +93,7 @@ def build_parser() -> cli.Parser:
         default=[],
         type=Path,
         metavar="PATH",
-        help="Transformer Engine wheel from build_te.py, installed with --no-deps (repeatable)",
+        help="Transformer Engine wheel from build_te, installed with --no-deps (repeatable)",
     )
     parser.add_argument(
         "--te-wheel-dir",

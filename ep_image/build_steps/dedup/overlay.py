@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_image import mounts
-from ep_image.build_steps import dedup_tree
-from ep_image.build_steps.dedup_tree import DedupError, Tree
+from ep_image.build_steps.dedup.tree import DedupError, Tree, literal_regex, paths_regexes, scan
 
 #: The --exclude regexes of what must be left alone may not pass this (a command line holds
 #: about 2 MiB in all).
@@ -143,8 +142,8 @@ def leave_alone(tree: Tree, layer: Layer, roots: list[Path]) -> LeftAlone:
             del tree.index[path]
     for directory in sorted(dirs):
         if not any(directory.startswith(d + "/") for d in dirs):
-            left.regexes.append(dedup_tree.literal_regex(directory))
-    left.regexes += dedup_tree.paths_regexes(files)
+            left.regexes.append(literal_regex(directory))
+    left.regexes += paths_regexes(files)
     if sum(map(len, left.regexes)) > EXCLUDE_REGEX_LIMIT:
         raise DedupError(
             f"{len(files)} files of the ROOTs lie in lower layers of the overlay at "
@@ -191,4 +190,4 @@ def measure(layer: Layer, roots: list[Path]) -> int:
         return (st.f_blocks - st.f_bfree) * st.f_frsize
     uppers = [Path(layer.upper_path(str(r))) for r in roots]
     device = os.stat(layer.upper).st_dev
-    return dedup_tree.scan(uppers, device, None, 0, Counter()).du_bytes()
+    return scan(uppers, device, None, 0, Counter()).du_bytes()

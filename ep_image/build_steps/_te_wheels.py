@@ -1,6 +1,6 @@
 """Which Transformer Engine wheel a backend venv gets, checked against build_te's record.
 
-Why: TE is built once (build_te.py) and installed into every backend venv from that one wheel.
+Why: TE is built once (build_te) and installed into every backend venv from that one wheel.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ep_image.build_steps.uv_run import run
+from ep_image.build_steps._uv_run import run
 from ep_image.cli import FixableError
 from ep_image.project import sha256_file
 
@@ -82,7 +82,7 @@ def select_te_wheels(wheels: list[Path], wheel_dir: Path | None, record: Path | 
 
 
 def install_te(uv: str, venv: Path, wheels: list[Path]) -> None:
-    """The Transformer Engine wheel(s) built once by build_te.py, without re-resolving.
+    """The Transformer Engine wheel(s) built once by build_te, without re-resolving.
 
     ``--no-config``: a built wheel needs none of the project's build settings (its
     extra-build-dependencies would otherwise apply to the transformer-engine name).

@@ -1,6 +1,6 @@
 """Create one EP backend's venv under a prefix from the committed uv.lock, atomically: its three
 build modes (a venv; the image's skeletons; completing a skeleton in place); the command line
-and its typed options are in ``make_venv_options``.
+and its typed options are in ``options``.
 Why: the DeepEP backends all ship ``deep_ep``, and every backend brings its own native libraries,
 so each gets a venv of its own, built from the lock alone.
 """
@@ -18,9 +18,15 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import child_env, cli, source_build, tools
+from ep_image.build_steps import _lock_sync
 from ep_image.build_steps import dedup as dedup_step
-from ep_image.build_steps import lock_sync
-from ep_image.build_steps.atomic_venv import (
+from ep_image.build_steps._te_wheels import (
+    TE_DISTRIBUTION,
+    TE_DISTRIBUTIONS,
+    install_te,
+)
+from ep_image.build_steps._uv_run import BuildError, tail, uv_executable
+from ep_image.build_steps.make_venv.atomic_venv import (
     assert_relocated,
     building,
     move_into_place,
@@ -29,31 +35,25 @@ from ep_image.build_steps.atomic_venv import (
     remove_stale,
     stale_temp_dirs,
 )
-from ep_image.build_steps.backend_sync import Wheels, sync_backend
-from ep_image.build_steps.bytecode import (
+from ep_image.build_steps.make_venv.backend_sync import Wheels, sync_backend
+from ep_image.build_steps.make_venv.bytecode import (
     compile_bytecode,
     compile_new_sources,
     python_sources,
 )
-from ep_image.build_steps.make_venv_options import (
+from ep_image.build_steps.make_venv.options import (
     PROG,
     Mode,
     Options,
     parse_args,
 )
-from ep_image.build_steps.te_wheels import (
-    TE_DISTRIBUTION,
-    TE_DISTRIBUTIONS,
-    install_te,
-)
-from ep_image.build_steps.uv_run import BuildError, tail, uv_executable
-from ep_image.build_steps.venv_checks import (
+from ep_image.build_steps.make_venv.venv_checks import (
     check_abi,
     check_files,
     check_imports,
     verify_backend,
 )
-from ep_image.build_steps.venv_record import (
+from ep_image.build_steps.make_venv.venv_record import (
     SKELETONS_RECORD,
     build_info,
     installed_distributions,
@@ -121,14 +121,14 @@ def _build_one(uv: str, name: str, opts: Options, skeleton: bool) -> Path:
     remove_stale(opts.prefix, name)
     temp = new_temp_dir(opts.prefix, name)
     try:
-        lock_sync.create_venv(uv, temp, opts.python, opts.project)
+        _lock_sync.create_venv(uv, temp, opts.python, opts.project)
         nvshmem_build = sync_backend(
             uv, temp, backend, opts.project, skip, te=bool(opts.te_wheels),
             wheels=Wheels() if skeleton else opts.wheels,
         )  # fmt: skip
         shutil.rmtree(temp / source_build.SCRATCH, ignore_errors=True)
         install_te(uv, temp, opts.te_wheels)
-        lock_sync.install_package(uv, temp)
+        _lock_sync.install_package(uv, temp)
         if opts.compile_bytecode:
             compile_bytecode(temp)
         dedup = dedup_venvs(temp) if opts.dedup and not skeleton else None
@@ -264,7 +264,7 @@ def run(opts: Options) -> int:
         check_inputs(opts)
         prepare_prefix(opts.prefix)
         uv = uv_executable()
-        lock_sync.check_lock(uv, opts.project)
+        _lock_sync.check_lock(uv, opts.project)
         if opts.mode is Mode.SKELETON:
             build_skeletons(uv, opts)
             return 0
@@ -312,7 +312,3 @@ def run(opts: Options) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv, terminate_cleanly=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Hardlink identical regular files across directory trees (per-backend venvs): the command.
 
 N venvs that carry the same torch and CUDA libraries then cost about one. util-linux
-``hardlink`` finds and links (dedup_hardlink); this command adds what it does not guarantee: one
-filesystem, the excludes, the bytecode rule, ``--read-only`` (dedup_read_only) and a report in
-``du``'s terms (dedup_report, from dedup_tree's walks). See docs/host-mode.md, sections
+``hardlink`` finds and links (``hardlink.py``); this command adds what it does not guarantee: one
+filesystem, the excludes, the bytecode rule, ``--read-only`` (``read_only.py``) and a report in
+``du``'s terms (``report.py``, from the walks of ``tree.py``). See docs/host-mode.md, sections
 "Deduplicating venvs" and "Hardlinked venvs and installers".
 """
 
@@ -21,17 +21,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ep_image import cli, mounts
-from ep_image.build_steps import dedup_leftovers, dedup_overlay, dedup_tree
-from ep_image.build_steps import dedup_read_only as read_only_mode
-from ep_image.build_steps.dedup_hardlink import find_hardlink, hardlink_argv, run_hardlink
-from ep_image.build_steps.dedup_report import (
+from ep_image.build_steps.dedup import leftovers, overlay
+from ep_image.build_steps.dedup import read_only as read_only_mode
+from ep_image.build_steps.dedup.hardlink import find_hardlink, hardlink_argv, run_hardlink
+from ep_image.build_steps.dedup.report import (
     Report,
     account,
     predict,
     print_report,
     write_report,
 )
-from ep_image.build_steps.dedup_tree import JOURNALS, DedupError
+from ep_image.build_steps.dedup.tree import JOURNALS, DedupError, glob_to_regex, literal_regex, scan
 
 PROG = "dedup"
 #: Paths (relative to a root; a pattern without "/" matches the file name) never linked by
@@ -119,7 +119,7 @@ def _one_path_per_tree(paths: list[Path]) -> list[Path]:
 
 def is_excluded(relative: str, patterns: Iterable[str]) -> bool:
     """True if ``relative`` (posix, under a root) matches one of the fnmatch ``patterns``."""
-    return any(re.search(dedup_tree.glob_to_regex(p), "/" + relative) for p in patterns)
+    return any(re.search(glob_to_regex(p), "/" + relative) for p in patterns)
 
 
 def dedup(
@@ -179,7 +179,7 @@ def _dedup(
     min_size: int,
 ) -> Report:
     binary, version = find_hardlink()
-    layer = dedup_overlay.layer_of(paths[0])
+    layer = overlay.layer_of(paths[0])
     if layer is not None and layer.upper is None and read_only and not dry_run:
         raise DedupError(
             f"the ROOTs are on overlayfs (a container layer, mounted at {layer.mount_point}) "
@@ -193,9 +193,9 @@ def _dedup(
         roots=[str(p) for p in paths], device=device, dry_run=dry_run, read_only=read_only
     )
     report.tool = version
-    regexes = [dedup_tree.glob_to_regex(p) for p in excludes]
+    regexes = [glob_to_regex(p) for p in excludes]
     regexes += [
-        dedup_tree.literal_regex(str(p / (name + tmp)))
+        literal_regex(str(p / (name + tmp)))
         for p in paths
         for name in JOURNALS
         for tmp in ("", ".tmp")
@@ -206,11 +206,11 @@ def _dedup(
     # A killed run's records first: the walk below must see the modes as they were, and not
     # the temporary links its hardlink left.
     read_only_mode.restore_journals(paths, report, dry_run=dry_run)
-    killed = dedup_leftovers.read(paths, report)
-    dedup_leftovers.clean(paths, killed, report, dry_run=dry_run)
+    killed = leftovers.read(paths, report)
+    leftovers.clean(paths, killed, report, dry_run=dry_run)
     if not dry_run:
-        dedup_leftovers.drop(list(killed))
-    before = dedup_tree.scan(
+        leftovers.drop(list(killed))
+    before = scan(
         paths,
         device,
         exclude,
@@ -220,7 +220,7 @@ def _dedup(
         keep_paths=read_only,
         index_paths=True,
     )
-    left = dedup_overlay.leave_alone(before, layer, paths) if layer is not None else None
+    left = overlay.leave_alone(before, layer, paths) if layer is not None else None
     if left is not None:
         skipped.update(left.counts)
     clear = read_only_mode.to_clear(before) if read_only else {}
@@ -235,19 +235,19 @@ def _dedup(
     if clear:
         read_only_mode.write_journals(before, clear, paths)
 
-    record = dedup_leftovers.RunRecord.of(before, device)
+    record = leftovers.RunRecord.of(before, device)
     if not dry_run:
-        dedup_leftovers.write(paths, record)
+        leftovers.write(paths, record)
     report.book_before(before)
 
     # The passes: one with --ignore-time; under the bytecode rule, .py files apart, by mtime.
-    base = regexes + [dedup_tree.literal_regex(d) for d in before.other_filesystems]
+    base = regexes + [literal_regex(d) for d in before.other_filesystems]
     base += apart_regexes + (left.regexes if left is not None else [])
     passes = [(True, base)]
     if before.timestamp_pyc:
         passes = [(True, [*base, _PY]), (False, [*base, _NOT_PY])]
     changed = read_only_mode.clear_write_bits(before, clear, report)
-    layer_before = dedup_overlay.measure(layer, paths) if layer is not None else 0
+    layer_before = overlay.measure(layer, paths) if layer is not None else 0
     pairs: list[tuple[str, str]] = []
     stopped = False
     for ignore_time, regex_list in passes:
@@ -267,8 +267,8 @@ def _dedup(
         replaced = {before.index[r] for _, r in pairs if r in before.index}
     else:
         if stopped:  # killed between a temporary link and its rename: that link is left
-            dedup_leftovers.clean(paths, dict.fromkeys(paths, record), report, dry_run=False)
-        after = dedup_tree.scan(
+            leftovers.clean(paths, dict.fromkeys(paths, record), report, dry_run=False)
+        after = scan(
             paths, device, exclude, min_size, Counter(), keep_paths=read_only, index_paths=True
         )
         # Read back, not taken from hardlink's records: a killed hardlink's are lost in its
@@ -288,7 +288,7 @@ def _dedup(
         )
     account(before, after, replaced, report)
     if layer is not None:
-        layer_after = dedup_overlay.measure(layer, paths) if not dry_run else layer_before
+        layer_after = overlay.measure(layer, paths) if not dry_run else layer_before
         layer.figures = {"layer_bytes_before": layer_before, "layer_bytes_after": layer_after}
         if not dry_run:  # what the layer gained, not what `du` of the merged view says
             report.saved_bytes = layer_before - layer_after
@@ -298,7 +298,7 @@ def _dedup(
         read_only_mode.settle_modes(after, changed, report)
         read_only_mode.drop_journals(paths)
     if not dry_run:
-        dedup_leftovers.drop(paths)
+        leftovers.drop(paths)
     for reason, count in skipped.items():
         report.skipped[reason] = report.skipped.get(reason, 0) + count
     report.seconds = round(time.monotonic() - started, 3)
@@ -415,7 +415,3 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv, terminate_cleanly=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

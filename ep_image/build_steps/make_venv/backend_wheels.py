@@ -19,7 +19,7 @@ from typing import Any
 
 from ep_image import backends as ep_backends
 from ep_image import prebuilt, source_build
-from ep_image.build_steps.uv_run import BuildError, run
+from ep_image.build_steps._uv_run import BuildError, run
 from ep_image.project import git_source, sha256_file, site_packages, write_json
 
 RECORD_SUFFIX = prebuilt.BACKEND_RECORD_SUFFIX

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ep_image.build_steps.dedup_tree import Tree
+from ep_image.build_steps.dedup.tree import Tree
 from ep_image.project import write_json
 
 
@@ -46,7 +46,7 @@ class Report:
     left_writable: dict[str, int] = field(default_factory=dict)  # --read-only: not applied, why
     failures: list[str] = field(default_factory=list)
     #: On overlayfs: the mount, its upper directory (None: not visible here), what the layer
-    #: held before and after; saved_bytes is then what the layer gained (dedup_overlay).
+    #: held before and after; saved_bytes is then what the layer gained (overlay.py).
     overlay: dict[str, object] | None = None
 
     def book_before(self, before: Tree) -> None:

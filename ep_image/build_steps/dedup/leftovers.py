@@ -21,9 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_image import cli
-from ep_image.build_steps import dedup_tree
-from ep_image.build_steps.dedup_report import Report
-from ep_image.build_steps.dedup_tree import RUN_JOURNAL, TEMP_SUFFIX, DedupError, Tree
+from ep_image.build_steps.dedup.report import Report
+from ep_image.build_steps.dedup.tree import (
+    RUN_JOURNAL,
+    TEMP_SUFFIX,
+    DedupError,
+    Tree,
+    read_own_journal,
+    write_own_journal,
+)
 
 
 @dataclass
@@ -51,7 +57,7 @@ def write(roots: list[Path], record: RunRecord) -> None:
         )
         journal = root / RUN_JOURNAL
         try:
-            dedup_tree.write_own_journal(
+            write_own_journal(
                 journal,
                 {
                     "written_by": "python3 -m ep_image.build_steps.dedup",
@@ -79,7 +85,7 @@ def read(roots: list[Path], report: Report) -> dict[Path, RunRecord]:
     for root in roots:
         journal = root / RUN_JOURNAL
         try:
-            why, text = dedup_tree.read_own_journal(journal)
+            why, text = read_own_journal(journal)
         except FileNotFoundError:
             continue
         except OSError as exc:

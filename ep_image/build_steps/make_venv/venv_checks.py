@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ep_image import abi, dist_records
 from ep_image import backends as ep_backends
-from ep_image.build_steps.uv_run import BuildError
+from ep_image.build_steps._uv_run import BuildError
 from ep_image.project import site_packages
 
 

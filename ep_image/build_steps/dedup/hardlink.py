@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_image.build_steps.dedup_tree import DedupError
+from ep_image.build_steps.dedup.tree import DedupError
 
 HARDLINK_MIN_VERSION = (2, 38)
 #: hardlink -v prints "[DryRun] Linking KEPT to REPLACED (-SIZE)" per link, names raw.
@@ -72,7 +72,7 @@ def hardlink_argv(
     respect_xattrs: bool = True,
 ) -> list[str]:
     """The command line: docs/host-mode.md, "Deduplicating venvs", says why each flag.
-    ``respect_xattrs`` off only where dedup compared them itself (overlayfs, dedup_overlay)."""
+    ``respect_xattrs`` off only where dedup compared them itself (overlayfs, overlay.py)."""
     argv = [binary, "--verbose", *(["--respect-xattrs"] if respect_xattrs else [])]
     argv += ["--maximize", "--method", "memcmp"]
     argv += ["--minimum-size", str(min_size)]

@@ -17,11 +17,11 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from ep_image.build_steps import lock_sync
-from ep_image.build_steps.te_source import BuildTeError
-from ep_image.build_steps.te_wheels import TE_DISTRIBUTION
-from ep_image.build_steps.uv_run import BuildError, tail
-from ep_image.build_steps.venv_cudnn import Cudnn, dist_version
+from ep_image.build_steps import _lock_sync
+from ep_image.build_steps._te_wheels import TE_DISTRIBUTION
+from ep_image.build_steps._uv_run import BuildError, tail
+from ep_image.build_steps._venv_cudnn import Cudnn, dist_version
+from ep_image.build_steps.build_te.source import BuildTeError
 from ep_image.project import site_packages
 
 # What TE's setup.py / CMake import or run besides torch, which the venv already holds.
@@ -43,11 +43,11 @@ def make_build_venv(uv: str, venv: Path, project: Path) -> Path:
     """The environment TE compiles against: the lock's ``moe`` extra without TE itself, made by
     the same steps as the backend venvs (no bytecode: it lives only for this build)."""
     try:
-        lock_sync.check_lock(uv, project)
+        _lock_sync.check_lock(uv, project)
         python = os.environ.get("UV_PYTHON")
-        lock_sync.create_venv(uv, venv, python, project, relocatable=False)
-        env = {**lock_sync.sync_environment(venv), "UV_COMPILE_BYTECODE": "0"}
-        lock_sync.sync(uv, venv, project, ["moe"], [TE_DISTRIBUTION], env=env)
+        _lock_sync.create_venv(uv, venv, python, project, relocatable=False)
+        env = {**_lock_sync.sync_environment(venv), "UV_COMPILE_BYTECODE": "0"}
+        _lock_sync.sync(uv, venv, project, ["moe"], [TE_DISTRIBUTION], env=env)
     except BuildError as exc:
         raise BuildTeError(
             f"making the build venv from {project / 'uv.lock'} failed (output above). Fix what "

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Source-build Transformer Engine (TE) against the cuDNN inside a uv venv, once per image or host:
 the command, the plan it prints or builds, and te-build.json.
 
 Why: a TE built against any other cuDNN imports fine and fails late, in fused-attention backward.
-The source tree's checks are te_source's, the build venv and environment te_environment's.
+The source tree's checks are in ``source``, the build venv and environment in ``environment``.
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT, cli, prebuilt, tools
-from ep_image.build_steps.te_environment import (
+from ep_image.build_steps._te_wheels import TE_RECORD
+from ep_image.build_steps._venv_cudnn import CudnnError, find_cudnn
+from ep_image.build_steps.build_te.environment import (
     BUILD_REQUIREMENTS,
     build_command,
     build_env,
@@ -33,7 +34,7 @@ from ep_image.build_steps.te_environment import (
     nvte_archs,
     torch_version,
 )
-from ep_image.build_steps.te_source import (
+from ep_image.build_steps.build_te.source import (
     BuildTeError,
     apply_links,
     check_pins,
@@ -48,8 +49,6 @@ from ep_image.build_steps.te_source import (
     source_commit,
     te_version,
 )
-from ep_image.build_steps.te_wheels import TE_RECORD
-from ep_image.build_steps.venv_cudnn import CudnnError, find_cudnn
 from ep_image.project import VenvError, locked_versions, sha256_file, write_json
 from ep_image.record_path import not_a_file
 
@@ -352,14 +351,14 @@ def run(args: argparse.Namespace) -> int:
     not the base image's copy; the image then loads that same cuDNN first, stage_cudnn.py):
 
     1. find that cuDNN in the venv (``site-packages/nvidia/cudnn/{include,lib}``) and read its
-       version from ``cudnn_version.h`` (ep_image/build_steps/venv_cudnn.py);
+       version from ``cudnn_version.h`` (ep_image/build_steps/_venv_cudnn.py);
     2. check that the TE source tree holds what TE's CMake needs (its git submodules are missing
        from plain snapshots) and, where only the cuDNN frontend headers are missing, point TE at
-       the ``nvidia-cudnn-frontend`` wheel the lock pins (ep_image/build_steps/te_source.py);
+       the ``nvidia-cudnn-frontend`` wheel the lock pins (ep_image/build_steps/build_te/source.py);
     3. build the wheel with the venv's own Python and no build isolation (TE's torch extension
        must compile against the venv's torch), with the environment variables TE's build reads
        (``CUDNN_PATH``/``CUDNN_HOME``, ``NVTE_FRAMEWORK``, ``NVTE_CUDA_ARCHS``, ``MAX_JOBS``,
-       ``NVTE_BUILD_THREADS_PER_JOB``; ep_image/build_steps/te_environment.py);
+       ``NVTE_BUILD_THREADS_PER_JOB``; ep_image/build_steps/build_te/environment.py);
     4. write ``te-build.json`` beside the wheel, so probes and the image can compare the cuDNN
        TE was built against with the one that is loaded.
 
@@ -367,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     ``--mode skip``) writes a ``te-build.json`` that records that TE was not built (CPU-only
     test images). Host mode and the image's ``te`` stage run this same command. Without
     ``--venv`` it makes a throwaway venv from the lock (the ``moe`` extra without
-    transformer-engine, ep_image/build_steps/lock_sync.py); without a TE checkout (``--source``
+    transformer-engine, ep_image/build_steps/_lock_sync.py); without a TE checkout (``--source``
     omitted, or ``--clone-unless-source`` and a directory without setup.py, as the image's
     default TE_SOURCE) it clones the git URL and commit pyproject.toml pins, through any
     ``url.<mirror>.insteadOf`` of the git config. Both are deleted when the build ends. Only
@@ -402,7 +401,3 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(PROG, parse_args, run, argv, terminate_cleanly=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image import nvshmem, prebuilt, source_build
-from ep_image.build_steps import backend_wheels, lock_sync
-from ep_image.build_steps.source_prep import prepare_source_build
-from ep_image.build_steps.te_wheels import TE_DISTRIBUTION, TE_EXTRA
-from ep_image.build_steps.uv_run import BuildError, run, sync_failure
+from ep_image.build_steps import _lock_sync
+from ep_image.build_steps._te_wheels import TE_DISTRIBUTION, TE_EXTRA
+from ep_image.build_steps._uv_run import BuildError, run, sync_failure
+from ep_image.build_steps.make_venv import backend_wheels
+from ep_image.build_steps.make_venv.source_prep import prepare_source_build
 from ep_image.project import site_packages
 
 
@@ -46,11 +47,11 @@ def sync_backend(
     ep_image/nvshmem.py with a ``$ORIGIN`` runpath, checked afterwards; NCCL: on the build's
     LIBRARY_PATH). ``wheels``: where to take a prebuilt wheel of that distribution from, when
     its record matches this build, and where to export the one compiled here
-    (ep_image/build_steps/backend_wheels.py).
+    (ep_image/build_steps/make_venv/backend_wheels.py).
     """
-    env = lock_sync.sync_environment(venv)
+    env = _lock_sync.sync_environment(venv)
     extras = [backend.extra, *([TE_EXTRA] if te else [])]
-    cmd = lock_sync.sync_command(uv, project, extras, [TE_DISTRIBUTION, *skip], inexact)
+    cmd = _lock_sync.sync_command(uv, project, extras, [TE_DISTRIBUTION, *skip], inexact)
     skipped = any(
         ep_backends.normalize(p) == ep_backends.normalize(backend.distribution) for p in skip
     )
