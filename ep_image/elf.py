@@ -8,6 +8,7 @@ no binutils. One reader serves them all. Standard library only; 64-bit little-en
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +34,31 @@ def read_dynamic(path: str | Path) -> Dynamic:
     """Read from the dynamic segment, its string table located through the PT_LOAD segments
     that map it (as the loader does; section headers may be stripped). An ELF file without a
     dynamic segment (a static executable) has an empty one."""
-    data = Path(path).read_bytes()
-    if data[:4] != b"\x7fELF" or len(data) < 64 or data[4] != 2 or data[5] != 1:
+    # Only the headers, the dynamic segment and its strings are read, never the whole file: a
+    # venv's check reads hundreds of libraries, some of a gigabyte (libtorch, cuDNN).
+    with open(path, "rb") as file:
+        return _parse(file.fileno(), path)
+
+
+def _parse(fd: int, path: str | Path) -> Dynamic:
+    def at(offset: int, size: int) -> bytes:
+        data = os.pread(fd, size, offset)
+        if len(data) != size:
+            raise ValueError(f"{size} bytes at {offset} run past the end of the file")
+        return data
+
+    header = os.pread(fd, 64, 0)
+    if header[:4] != b"\x7fELF" or len(header) < 64 or header[4] != 2 or header[5] != 1:
         raise ElfError(f"{path} is not a 64-bit little-endian ELF file")
     try:
-        (phoff,) = struct.unpack_from("<Q", data, 0x20)
-        phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+        (phoff,) = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        table = at(phoff, phnum * phentsize)
         loads: list[tuple[int, int, int]] = []
         dynamic: tuple[int, int] | None = None
         for i in range(phnum):
             p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from(
-                "<IIQQQQ", data, phoff + i * phentsize
+                "<IIQQQQ", table, i * phentsize
             )
             if p_type == _PT_LOAD:
                 loads.append((p_vaddr, p_offset, p_filesz))
@@ -51,9 +66,10 @@ def read_dynamic(path: str | Path) -> Dynamic:
                 dynamic = (p_offset, p_filesz)
         if dynamic is None:
             return Dynamic()
+        segment = at(dynamic[0], dynamic[1] - dynamic[1] % 16)
         entries: list[tuple[int, int]] = []
-        for offset in range(dynamic[0], dynamic[0] + dynamic[1], 16):
-            tag, value = struct.unpack_from("<qQ", data, offset)
+        for offset in range(0, len(segment), 16):
+            tag, value = struct.unpack_from("<qQ", segment, offset)
             if tag == _DT_NULL:
                 break
             entries.append((tag, value))
@@ -63,8 +79,13 @@ def read_dynamic(path: str | Path) -> Dynamic:
         )
 
         def string(index: int) -> str:
-            end = data.index(b"\0", strtab + index)
-            return data[strtab + index : end].decode("utf-8", "replace")
+            start, chunks = strtab + index, b""
+            while b"\0" not in chunks:
+                chunk = os.pread(fd, 256, start + len(chunks))
+                if not chunk:
+                    raise ValueError(f"the string at {start} has no end")
+                chunks += chunk
+            return chunks[: chunks.index(b"\0")].decode("utf-8", "replace")
 
         needed = tuple(string(v) for t, v in entries if t == _DT_NEEDED)
         paths = [string(v) for t, v in entries if t == _DT_RUNPATH]
