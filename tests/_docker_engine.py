@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import _owned_dirs as owned_dirs
 from _buildah import CACHE, unmount_under
 
 MIRROR = "http://deb.debian.org/debian"
@@ -249,7 +250,8 @@ def running(engine: Installed, parent: Path, timeout: float = 60) -> Iterator[Da
     (SIGTERM, then SIGKILL after 30 s), its children and mounts gone and the directory removed
     when the block ends, however it ends."""
     made = [d for d in RUN_DIRS if not d.exists()]
-    state = Path(tempfile.mkdtemp(prefix="docker-", dir=parent))
+    owned = owned_dirs.make(parent, "docker-")  # and removes what killed runs left there
+    state = owned.path
     for sub in ("data", "exec", "client/cli-plugins"):
         (state / sub).mkdir(parents=True)
     (state / "daemon.json").write_text("{}\n")  # not the machine's /etc/docker/daemon.json
@@ -296,6 +298,7 @@ def running(engine: Installed, parent: Path, timeout: float = 60) -> Iterator[Da
         _stop([p for p in {*children, *_naming(state)} if _alive(p)], grace=10)
         unmount_under(state)
         subprocess.run(["rm", "-rf", "--one-file-system", str(state)], check=False)
+        owned.release()
         for directory in made:  # deepest first (RUN_DIRS' order); only if empty
             with contextlib.suppress(OSError):
                 directory.rmdir()

@@ -52,13 +52,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
 
+import _owned_dirs as owned_dirs
 import fake_hybridep
 import pytest
 from _buildah import (
@@ -231,7 +231,8 @@ def buildah(pytestconfig: pytest.Config) -> Iterator[Buildah]:
     if os.geteuid() != 0:
         pytest.skip("buildah with chroot isolation and debootstrap need root here")
     parent = store_parent()
-    store = Path(tempfile.mkdtemp(prefix="store-", dir=parent))
+    owned = owned_dirs.make(parent, "store-")  # and removes what killed runs left there
+    store = owned.path
     driver, why = storage_driver(parent)
     announce(pytestconfig, [f"buildah storage driver: {driver} ({why})"])
     tool = Buildah(store, pytestconfig, driver)
@@ -242,6 +243,7 @@ def buildah(pytestconfig: pytest.Config) -> Iterator[Buildah]:
         with Progress(pytestconfig, "image test: cleanup") as progress:
             progress.say(f"removing buildah storage {store} ({du(store) / 2**30:.1f} GiB)")
             tool.remove_storage()
+            owned.release()
 
 
 @pytest.fixture(scope="module")

@@ -185,9 +185,11 @@ def test_two_backends_fail_with_the_conflict_error(
         timeout=120,
     )
     assert result.returncode != 0
-    assert "incompatible with the declared conflicts" in result.stderr
+    # uv wraps its message to the terminal's width (COLUMNS): compare it as one line.
+    message = " ".join(result.stderr.split())
+    assert "incompatible with the declared conflicts" in message
     for name in named:
-        assert f"`{name}`" in result.stderr
+        assert f"`{name}`" in message
     assert not (tmp_path / "venv").exists(), "a conflicting sync must not create anything"
 
 
