@@ -206,44 +206,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _naming(path: Path) -> list[int]:
-    """Processes whose command line names ``path``: containerd's shims of this daemon, which
-    detach from it (their -address is the socket under its exec root)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if str(path).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    with contextlib.suppress(OSError):
-        if "\nState:\tZ" in status.read_text():
-            return False
-    return True
-
-
-def _stop(pids: list[int], grace: float) -> None:
-    """SIGTERM to each of ``pids``, SIGKILL to any still alive after ``grace`` seconds."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in pids:
-        if _alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def running(engine: Installed, parent: Path, timeout: float = 60) -> Iterator[Daemon]:
     """dockerd of ``engine`` with all its state in a new directory under ``parent``; stopped
@@ -292,10 +254,11 @@ def running(engine: Installed, parent: Path, timeout: float = 60) -> Iterator[Da
         # dockerd stops its containers and its containerd on SIGTERM; what is left after that
         # (a SIGKILL'd dockerd's containerd, a shim) is stopped by its PID.
         children = _children(proc.pid)
-        _stop([proc.pid], grace=30)
+        owned_dirs.stop([proc.pid], grace=30)
         proc.wait()
         log.close()
-        _stop([p for p in {*children, *_naming(state)} if _alive(p)], grace=10)
+        alive = [p for p in {*children, *owned_dirs.naming(state)} if owned_dirs.alive(p)]
+        owned_dirs.stop(alive, grace=10)
         unmount_under(state)
         subprocess.run(["rm", "-rf", "--one-file-system", str(state)], check=False)
         owned.release()

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _buildah import unmount_under
+
 #: The lock file in each owned directory; held (flock) by the run that made it.
 LOCK = ".owner.lock"
 
@@ -76,19 +78,18 @@ def sweep(parent: Path, prefix: str) -> list[Path]:
 def remove(path: Path) -> None:
     """Stop what still names ``path`` (a dockerd, its containerd and shims, a buildah), unmount
     what is mounted under it, deepest first, and remove it."""
-    stop([pid for pid in naming(path) if pid != os.getpid()])
-    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-    for point in sorted((m for m in mounts if m.startswith(f"{path}/")), reverse=True):
-        subprocess.run(["umount", "-l", point], check=False)
+    stop(naming(path))
+    unmount_under(path)
     subprocess.run(["rm", "-rf", "--one-file-system", str(path)], check=False)
 
 
 def naming(path: Path) -> list[int]:
-    """Processes with ``path`` or a path under it among their arguments."""
+    """Processes other than this one with ``path`` or a path under it among their arguments
+    (a dockerd's containerd and shims, which detach from it, name its state directory)."""
     under = f"{path}/".encode()
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
             args = (entry / "cmdline").read_bytes().split(b"\0")
