@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import subprocess
 import sys
@@ -126,6 +127,7 @@ def test_check_env_reports_the_library_and_the_nccl_it_binds_to(venv: Path, tmp_
 PREREQUISITES = """
 import json, sys
 from ep_image.probes._report import StepFailed
+from ep_image import trust
 from ep_image.probes.check_ep.adapters import plugins
 backend = plugins.BUILTIN[sys.argv[1]]()
 try:
@@ -133,7 +135,9 @@ try:
 except StepFailed as stop:
     assert "libcuda.so.1" in stop.detail, stop.detail
 data, problems = backend.prerequisites()
-print(json.dumps({"data": data, "problems": [[p[0].value, p[1], p[2]] for p in problems]}))
+cache = backend.jit_cache_dir()
+print(json.dumps({"data": data, "problems": [[p[0].value, p[1], p[2]] for p in problems],
+                  "cache": str(cache), "cache_untrusted": trust.untrusted_cache(cache)}))
 """
 
 
@@ -145,7 +149,8 @@ JIT_VARIABLES = (
 
 
 def prerequisites(venv: Path, **env: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in JIT_VARIABLES}
+    unset = (*JIT_VARIABLES, "NCCL_EP_JIT_CACHE_DIR", "XDG_CACHE_HOME")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     proc = subprocess.run(
         [str(venv / "bin" / "python"), "-c", PREREQUISITES, BACKEND],
         capture_output=True, text=True, timeout=600, check=False, env={**base, **env},
@@ -177,6 +182,32 @@ def test_prerequisites_name_what_the_jit_needs(venv: Path, tmp_path: Path) -> No
     assert jit["source_dir"] == str(site / "nccl/ep/include/nccl_ep")
     assert jit["nccl_include_dir"] == str(site / "nvidia/nccl/include")
     assert good["data"]["jit_nccl_headers_release"] == good["data"]["nccl_loaded"]
+    # The JIT's own headers are read where it reads them (include/nccl_ep.h beside nccl_ep/)
+    # and match the release the package was built as (no driver here to load the library).
+    header = (site / "nccl" / "ep" / "include" / "nccl_ep.h").read_text()
+    parts = dict(re.findall(r"#define NCCL_EP_(MAJOR|MINOR|PATCH) (\d+)", header))
+    assert good["data"]["jit_source_release"] == ".".join(
+        parts[k] for k in ("MAJOR", "MINOR", "PATCH")
+    )
+    # With nothing set, the venv (the project's .pth) points the JIT's kernel cache at this
+    # user's own directory, which the probe trusts; the library's /tmp default it refuses.
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    assert good["cache"] == str(home / ".cache" / "nccl_ep" / "jit"), good["cache"]
+    assert good["cache_untrusted"] is None
+    shared = prerequisites(venv, NCCL_EP_JIT_NVCC=nvcc13, NCCL_EP_JIT_CACHE_DIR="/tmp/nccl_ep/jit")
+    assert shared["cache"] == "/tmp/nccl_ep/jit" and "others can write" in shared["cache_untrusted"]
+
+    # JIT headers of another release than the package's: named before any kernel compiles.
+    other = tmp_path / "ep-0.1.9" / "include"
+    (other / "nccl_ep" / "device").mkdir(parents=True)
+    (other / "nccl_ep.h").write_text(
+        "#define NCCL_EP_MAJOR 0\n#define NCCL_EP_MINOR 1\n#define NCCL_EP_PATCH 9\n"
+    )
+    mixed = prerequisites(venv, NCCL_EP_JIT_NVCC=nvcc13, NCCL_EP_HOME=str(other.parent))
+    assert [p[1] for p in mixed["problems"]] == [
+        f"NCCL EP's JIT headers at {other}/nccl_ep are release 0.1.9, the library installed is "
+        f"{good['data']['jit_source_release']}"
+    ], mixed["problems"]
 
     old = tmp_path / "nccl-2.28" / "include"
     (old / "nccl_device").mkdir(parents=True)

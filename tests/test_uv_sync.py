@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Backends installed from a prebuilt wheel. The source-built ones need their pinned git commit
 #: and a CUDA toolchain; tests/test_make_venv.py builds stand-ins for them from a git mirror.
 WHEEL_BACKENDS = [s.name for s in backends.SPECS if not s.builds_from_source]
+JIT_CACHE = "NCCL_EP_JIT_CACHE_DIR"
 
 
 def sync(venv: Path, *extras: str, skip: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -75,6 +77,16 @@ def test_sync_backend_extra_installs_its_backend(backend: str, tmp_path: Path) -
             "GPU driver (host, at run time)"
         )
     assert any("libcuda.so.1" in libs for libs in extensions), report["extensions"]
+    # Every venv of the project gives NCCL EP's JIT a cache of this user's own (the project's
+    # .pth, venv_startup/): its library's default, /tmp/nccl_ep/jit, is anyone's to plant in.
+    show = "import os; print(os.environ['NCCL_EP_JIT_CACHE_DIR'])"
+    unset = (JIT_CACHE, "XDG_CACHE_HOME")
+    cache = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", show], capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k not in unset},
+    )  # fmt: skip
+    assert cache.returncode == 0, cache.stderr
+    assert cache.stdout.strip() == str(Path(pwd.getpwuid(os.getuid()).pw_dir, ".cache/nccl_ep/jit"))
 
 
 def run_probe(venv: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -48,7 +48,13 @@ def library_file(module_dir: Path, major: str | None = None) -> Path | None:
 def header_release(module_dir: Path) -> str | None:
     """The release the bundled headers declare (``include/nccl_ep.h``: NCCL_EP_MAJOR, _MINOR,
     _PATCH), which the library was built from and its JIT compiles against."""
-    return _release(module_dir / "include" / "nccl_ep.h", _DEFINE)
+    return include_release(module_dir / "include")
+
+
+def include_release(include_dir: Path) -> str | None:
+    """The release of ``include_dir/nccl_ep.h``: the directory that holds ``nccl_ep/``, the JIT's
+    source directory (``NCCL_EP_JIT_SOURCE_DIR``, default ``$NCCL_EP_HOME/include/nccl_ep``)."""
+    return _release(include_dir / "nccl_ep.h", _DEFINE)
 
 
 def nccl_header_release(include_dir: Path) -> str | None:

@@ -206,8 +206,11 @@ class NcclEPBackend(EPBackend):
         library = self._library()
         problems: list[Problem] = []
         source = Path(str(jit["source_dir"]))
-        ep_release = library.header_release(source.parent)
+        ep_release = library.include_release(source.parent)
         data["jit_source_release"] = ep_release
+        # What the JIT's headers must match: the library loaded, else (no driver to load it)
+        # the release of the headers installed with it, which it was built from.
+        built = loaded.get("library_version") or library.header_release(self._module_dir())
         if not (source / "device").is_dir():
             problems.append(
                 (
@@ -217,12 +220,13 @@ class NcclEPBackend(EPBackend):
                     "NCCL_EP_HOME to the installed package), or point them at its include/",
                 )
             )
-        elif loaded.get("library_version") and ep_release != loaded["library_version"]:
+        elif built and ep_release != built:
+            what = "loaded" if loaded.get("library_version") else "installed"
             problems.append(
                 (
                     Status.ERROR,
                     f"NCCL EP's JIT headers at {source} are release {ep_release}, the library "
-                    f"loaded is {loaded['library_version']}",
+                    f"{what} is {built}",
                     "unset NCCL_EP_HOME and NCCL_EP_JIT_SOURCE_DIR so the JIT compiles against "
                     "the installed package's headers",
                 )
