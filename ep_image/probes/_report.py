@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -189,9 +189,24 @@ def one_line(text: str, limit: int = 400) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
-def exit_code_of(steps: Iterable[Step], require: bool = False) -> int:
-    """The probe's exit code from its steps; ``require`` turns a skip into a failure."""
-    code = worst(step.status for step in steps).exit_code
+def exit_code_of(steps: Iterable[Step], require: bool = False, judged: Collection[str] = ()) -> int:
+    """The probe's exit code from its steps; ``require`` turns a skip into a failure.
+
+    ``judged`` names the steps whose failure means the backend returned wrong numbers: once one
+    has failed (or, as an ERROR, says it did before it stopped: ``data["wrong_data"]``), an
+    error after it (the backend then raised or crashed) leaves the code at 1. A backend shown to
+    be wrong stays "failed"; the steps keep their own statuses.
+    """
+    statuses = []
+    wrong = False
+    for step in steps:
+        status = step.status
+        judging = step.name in judged
+        if status == Status.ERROR and (wrong or (judging and step.data.get("wrong_data"))):
+            status = Status.FAIL
+        wrong = wrong or (judging and status == Status.FAIL)
+        statuses.append(status)
+    code = worst(statuses).exit_code
     if require and code == EXIT_SKIPPED:
         return EXIT_FAILED
     return code
@@ -215,12 +230,17 @@ def format_seconds(seconds: float) -> str:
 
 
 def render_table(
-    title: str, header_lines: Iterable[str], steps: Iterable[Step], exit_code: int
+    title: str,
+    header_lines: Iterable[str],
+    steps: Iterable[Step],
+    exit_code: int,
+    note: str = "",
 ) -> str:
     """A compact table in the spirit of DeepEP's test output: one row per step, hints below.
 
     ``header_lines`` carry the configuration (backend, world size, shape) so a pasted table
-    is self-describing.
+    is self-describing; ``note`` follows the verdict on its line (a precondition the backend
+    stated, which a user of the verdict must know).
     """
     steps = list(steps)
     lines = [title, *(f"  {line}" for line in header_lines)]
@@ -233,7 +253,8 @@ def render_table(
         )
         if step.hint and step.status not in (Status.PASS, Status.INFO, Status.NOT_RUN):
             lines.append(f"  {''.ljust(width)}  {'':7}  {'':>7}  fix: {step.hint}")
-    lines.append(f"  result: {RESULT_WORDS.get(exit_code, 'unknown')} (exit {exit_code})")
+    result = f"  result: {RESULT_WORDS.get(exit_code, 'unknown')} (exit {exit_code})"
+    lines.append(result + (f"; {note}" if note else ""))
     return "\n".join(lines)
 
 

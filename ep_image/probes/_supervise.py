@@ -82,6 +82,12 @@ class Outcome:
             "error_frames": self.progress.get("error_frames", []),
             "call": self.progress.get("call"),
             "stall": self.progress.get("stall"),
+            # check_ep's scenarios: those finished, and in ``views`` the tensors handed as views
+            # to the call it is in and what it found so far (a process that ends there may have
+            # refused a view: a precondition, read by rank 0's supervisor).
+            "scenario_results": self.progress.get("scenario_results"),
+            "scenario_views": self.progress.get("scenario_views"),
+            "scenario_found": self.progress.get("scenario_found"),
         }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ep_image.probes.check_ep import layer, output
 from ep_image.probes.check_ep.scenarios.catalogue import SCENARIO_TOKENS, scenario_seed
-from ep_image.probes.check_ep.types import PROG, STEP_NAMES, Options, ProbeKind
+from ep_image.probes.check_ep.types import CHECK_STEPS, PROG, STEP_NAMES, Options, ProbeKind
 
 
 def default_dtype(on_gpu: bool) -> str:
@@ -42,4 +42,5 @@ CHECK_EP = ProbeKind(
     meta=meta,
     header=output.header_lines,
     numbers=output.numbers,
+    judged=CHECK_STEPS,
 )

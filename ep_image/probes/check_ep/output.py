@@ -14,17 +14,19 @@ from typing import Any
 
 from ep_image.probes import _facts, _supervise, _venv_record
 from ep_image.probes._report import (
-    EXIT_FAILED,
-    EXIT_UNUSABLE,
     Status,
     Step,
     build_report,
+    exit_code_of,
+    one_line,
     render_table,
     write_report,
 )
 from ep_image.probes._supervise import Outcome
 from ep_image.probes.check_ep import import_failure
 from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
+from ep_image.probes.check_ep.scenarios import verdict
+from ep_image.probes.check_ep.scenarios.catalogue import BY_NAME, ERROR, FAIL, scenario_seed
 from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, not_run
 
 
@@ -73,6 +75,12 @@ def finish(
     # Which venv rank 0 ran in and what it took from outside it (every rank runs the same
     # interpreter and imports; rank 0 is the one that writes the report).
     extra.setdefault("environment", _venv_record.environment_facts())
+    # What the backend refused (a precondition, not a fault): beside the verdict, by name.
+    preconditions = [
+        p for step in steps for p in verdict.preconditions_of(step.data.get("scenarios", []))
+    ]
+    if preconditions:
+        extra.setdefault("preconditions", preconditions)
     report = build_report(
         kind.prog,
         steps,
@@ -87,7 +95,11 @@ def finish(
         **meta,
         **extra,
     )
-    print(render_table(kind.prog, kind.header(sel, env, meta), steps, code), flush=True)
+    note = "; ".join(
+        f"precondition: {sel.name}'s {verdict.describe(p)}" for p in extra.get("preconditions", [])
+    )
+    table = render_table(kind.prog, kind.header(sel, env, meta), steps, code, one_line(note))
+    print(table, flush=True)
     if options.json:
         write_report(options.json, report)
     return code
@@ -242,19 +254,59 @@ def report_unfinished(
     own: Outcome,
     outcomes: dict[int, dict[str, Any]],
 ) -> int:
-    """Rank 0's supervisor: the table and JSON for a run that did not finish (exit 3)."""
+    """Rank 0's supervisor: the table and JSON for a run that did not finish (exit 3; 1 when
+    the backend had returned wrong numbers before; the other steps' verdict when what ended it
+    was the backend refusing views by ending its process, a precondition)."""
     found = primary_failure(outcomes)
     rank, failure = found if found is not None else (env.rank, own.to_json())
-    detail = _describe(rank, env.world, failure, options.timeout)
-    hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
-    if failure["how"] == "hang" and len(hung) > 1:
-        detail += f" (ranks {hung} all hung there)"
     names = kind.step_names
     current = failure.get("step") or names[0]
     done = [Step.from_json(obj) for obj in own.progress.get("steps", [])]
     index = names.index(current) if current in names else len(done)
+    refusal = None
+    if current == "scenarios":
+        refusal = verdict.process_end_refusal(failure, outcomes, rank)
+    if refusal is not None:
+        step = _refused_step(options, own, outcomes, rank, failure, refusal)
+    else:
+        first = current == names[0]
+        step = _unfinished_step(options, env, own, outcomes, rank, failure, current, first, done)
+    steps = [*done[:index], step, *(not_run(n, step) for n in names[index + 1 :])]
+    code = exit_code_of(steps, options.require, kind.judged)
+    if own.fault_log:
+        print(own.fault_log.rstrip(), file=sys.stderr)
+    sel.name = own.progress.get("backend", sel.name)
+    meta = own.progress.get("meta", {})
+    ranks = [{"rank": r, **_lean(outcomes[r])} for r in sorted(outcomes)]
+    environment = import_failure.environment(own.progress, failure)
+    return finish(
+        kind, options, env, sel, steps, meta, code, rank_outcomes=ranks, environment=environment
+    )
+
+
+def _lean(outcome: dict[str, Any]) -> dict[str, Any]:
+    """An outcome for the report, without the breadcrumbs the report holds elsewhere."""
+    return {k: v for k, v in outcome.items() if k not in ("scenario_results", "scenario_found")}
+
+
+def _unfinished_step(
+    options: RunOptions,
+    env: RankEnv,
+    own: Outcome,
+    outcomes: dict[int, dict[str, Any]],
+    rank: int,
+    failure: dict[str, Any],
+    current: str,
+    first: bool,
+    done: list[Step],
+) -> Step:
+    """The step a crash, exit, hang, stall or one-sided raise ended, as the report shows it."""
+    detail = _describe(rank, env.world, failure, options.timeout)
+    hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
+    if failure["how"] == "hang" and len(hung) > 1:
+        detail += f" (ranks {hung} all hung there)"
     hint = _HINTS[failure["how"]]
-    if failure["how"] == "error" and current == names[0]:
+    if failure["how"] == "error" and first:
         hint = import_failure.hint(failure, options, own.progress) or _HINTS["import_error"]
     if _supervise.OUT_OF_MEMORY in str(failure.get("signal")):
         hint = _supervise.OUT_OF_MEMORY_HINT
@@ -262,23 +314,26 @@ def report_unfinished(
     # A stall after the backend returned wrong data on the ranks that finished is a failed
     # check (exit 1); one where nothing was wrong yet, a hang (3).
     wrong_data = failure["how"] == "stall" and (failure.get("stall") or {}).get("wrong_data")
-    status, code = (Status.FAIL, EXIT_FAILED) if wrong_data else (Status.ERROR, EXIT_UNUSABLE)
     step = Step(
         current,
-        status,
+        Status.FAIL if wrong_data else Status.ERROR,
         seconds=float(raised.get("seconds", failure.get("seconds_in_step", 0.0))),
         detail=detail,
         hint=raised.get("hint") or hint,
         data={
             **raised.get("data", {}),
-            "failure": {"rank": rank, **{k: v for k, v in failure.items() if k != "raised"}},
+            "failure": {"rank": rank, **_lean({k: v for k, v in failure.items() if k != "raised"})},
         },
     )
-    if current == "scenarios" and rank == env.rank and not raised:
-        finished = own.progress.get("scenario_results") or []
-        name = str(failure.get("scenario") or "").split(":", 1)[0]
-        crashed = {"name": name, "status": "error", "detail": detail}
-        step.data["scenarios"] = [*finished, crashed]
+    if current == "scenarios":
+        if not raised:
+            name = str(failure.get("scenario") or "").split(":", 1)[0]
+            crashed: dict[str, Any] = {"name": name, "status": ERROR, "detail": detail}
+            if (failure.get("scenario_found") or {}).get("problems"):
+                crashed.update(problems=failure["scenario_found"]["problems"], wrong_data=True)
+            step.data["scenarios"] = [*_finished_scenarios(outcomes), crashed]
+        if step.status == Status.ERROR and verdict.wrong_data(step.data.get("scenarios", [])):
+            step.data["wrong_data"] = True  # the verdict stays "failed" (exit_code_of)
     static = next((d.data.get("static_libstdcxx") for d in done if d.name == "prerequisites"), None)
     if failure["how"] == "signal" and static:
         step.hint = (
@@ -287,13 +342,51 @@ def report_unfinished(
             "crash in iostream code (HybridEP did, in its buffer constructor). Rebuild it with "
             "the system compiler: CC=/usr/bin/gcc CXX=/usr/bin/g++"
         )
-    steps = [*done[:index], step, *(not_run(n, step) for n in names[index + 1 :])]
-    if own.fault_log:
-        print(own.fault_log.rstrip(), file=sys.stderr)
-    sel.name = own.progress.get("backend", sel.name)
-    meta = own.progress.get("meta", {})
-    ranks = [{"rank": r, **outcomes[r]} for r in sorted(outcomes)]
-    environment = import_failure.environment(own.progress, failure)
-    return finish(
-        kind, options, env, sel, steps, meta, code, rank_outcomes=ranks, environment=environment
+    return step
+
+
+def _finished_scenarios(outcomes: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The scenarios every rank finished before its process ended or was stopped, merged
+    over the ranks whose breadcrumbs hold them."""
+    ranks = [r for r in sorted(outcomes) if outcomes[r].get("scenario_results")]
+    lists = [outcomes[r]["scenario_results"] for r in ranks]
+    return verdict.merge_results(lists, ranks) if lists else []
+
+
+def _refused_step(
+    options: RunOptions,
+    own: Outcome,
+    outcomes: dict[int, dict[str, Any]],
+    rank: int,
+    failure: dict[str, Any],
+    refusal: dict[str, Any],
+) -> Step:
+    """The scenarios step when the backend ended a rank's process in ``views`` when handed
+    views: the scenarios before keep their verdicts, ``views`` is a precondition (with what it
+    found before, wrong numbers included), and the step's status is theirs."""
+    found = failure.get("scenario_found") or {}
+    refusals = [*found.get("preconditions", []), refusal]
+    views = {"name": "views", "seed": scenario_seed(options.seed, "views")}
+    views.update(input=BY_NAME["views"].exercises)
+    views.update(verdict.result_of(list(found.get("problems", [])), refusals))
+    views["detail"] += "; the rest of views was not run"
+    ended = sorted({rank, *(r for r, o in outcomes.items() if verdict.ended_itself(o))})
+    views.update(rank=rank, failed_ranks=ended)
+    results = [*_finished_scenarios(outcomes), views]
+    meta = own.progress.get("meta", {}).get("scenarios", {})
+    tokens = int(meta.get("tokens_per_rank", 0))
+    failed = any(r["status"] in (FAIL, ERROR) for r in results)
+    return Step(
+        "scenarios",
+        Status.FAIL if failed else Status.PASS,
+        seconds=float(failure.get("seconds_in_step", 0.0)),
+        detail=one_line(verdict.scenarios_detail(results, tokens)),
+        hint=verdict.SCENARIO_HINT if failed else "",
+        data={
+            "selected": list(meta.get("selected", [])),
+            "tokens_per_rank": tokens,
+            "seed": options.seed,
+            "scenarios": results,
+            "refusal": {"rank": rank, **_lean({k: v for k, v in failure.items() if k != "raised"})},
+        },
     )

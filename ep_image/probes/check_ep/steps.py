@@ -91,8 +91,8 @@ def run_steps(
         ("backward", lambda: step_backward(rt, backend, ctx, options.seed)),
         ("replay", lambda: step_replay(rt, backend, ctx, options.replays)),
         ("precision", lambda: step_precision(rt, backend, ctx, options)),
-        ("scenarios", lambda: step_scenarios(rt, backend, ctx, options)),
         ("bandwidth", lambda: step_bandwidth(rt, backend, ctx, options)),
+        ("scenarios", lambda: step_scenarios(rt, backend, ctx, options)),
     ]
     for name, check in checks:
         begin(name, steps)

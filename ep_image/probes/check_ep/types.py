@@ -35,9 +35,14 @@ STEP_NAMES = (
     "backward",
     "replay",
     "precision",
-    "scenarios",
     "bandwidth",
+    # Last: a backend that refuses an input of a scenario (views) by ending its process takes
+    # no other step with it.
+    "scenarios",
 )
+#: The steps that judge the numbers the backend returns: one that failed keeps the verdict at
+#: "failed" when the backend raises or crashes after it (``_report.exit_code_of``).
+CHECK_STEPS = STEP_NAMES[3:]
 
 
 def not_run(name: str, gate: Step) -> Step:
@@ -145,3 +150,7 @@ class ProbeKind:
     meta: Callable[[Any, dict[str, int]], dict[str, Any]]  # (options, shape) -> report fields
     header: Callable[[Selection, Any, dict[str, Any]], list[str]]  # (sel, env, meta)
     numbers: Callable[[list[Step]], dict[str, Any]]  # the report's headline numbers
+    #: The steps whose failure means the backend returned wrong numbers: an error after one
+    #: leaves the verdict at "failed" (``_report.exit_code_of``). None: every error is
+    #: "unusable".
+    judged: tuple[str, ...] = ()

@@ -135,7 +135,7 @@ def run_worker(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selectio
         _destroy(backend, env, kind.prog)
         raise
     _destroy(backend, env, kind.prog)
-    code = agree_code(rt, exit_code_of(steps, options.require))
+    code = agree_code(rt, exit_code_of(steps, options.require, kind.judged))
     try:
         return output.finish(kind, options, env, sel, steps, meta, code)
     finally:

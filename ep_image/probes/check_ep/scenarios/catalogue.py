@@ -1,8 +1,8 @@
 """check_ep's scenarios: the routing training produces, not only one uniform layout, and the
 ways training frameworks drive a backend.
 
-The table of scenarios (changing, skewed, dropped, uneven, reuse; views, interleaved,
-recompute, lifecycle, marks), their seeds and token counts; it imports without torch so the
+The table of scenarios (changing, skewed, dropped, uneven, reuse; interleaved, recompute,
+lifecycle, marks, views), their seeds and token counts; it imports without torch so the
 command line can name them before torch loads. ``routing`` makes their routings and ``runner``
 runs them. See docs/probes.md, section "Scenarios".
 """
@@ -21,8 +21,13 @@ SCENARIO_TOKENS = 512
 
 PASS, FAIL, ERROR = "pass", "fail", "error"
 NOT_APPLICABLE, NOT_RUN = "not applicable", "not run"
-#: How bad a scenario's status is, for merging ranks (higher wins).
-SEVERITY = {NOT_RUN: 0, NOT_APPLICABLE: 0, PASS: 0, FAIL: 2, ERROR: 3}
+#: The backend refused an input frameworks may pass but need not (``views``: a non-contiguous
+#: tensor), by raising or by ending its process: a precondition, reported by name, that leaves
+#: the verdict to what it did with the inputs it took.
+REFUSED = "refused"
+#: How bad a scenario's status is, for merging ranks (higher wins): a refusal on any rank is
+#: shown over a pass, and it never makes the step fail.
+SEVERITY = {NOT_RUN: 0, NOT_APPLICABLE: 0, PASS: 0, REFUSED: 1, FAIL: 2, ERROR: 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +86,6 @@ SCENARIOS: tuple[Scenario, ...] = (
         rounds=2,
     ),
     Scenario(
-        "views",
-        "inputs as views of wider tensors (a column slice, a transpose) that the caller "
-        "overwrites after each call, and the outputs it got back written over too",
-        rounds=1,
-        views=True,
-        tokens=64,
-    ),
-    Scenario(
         "interleaved",
         "several live layouts: 2 routings dispatched before either is combined, combined in "
         "the other order, then each one's backward",
@@ -118,6 +115,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         "experts with weight 0 (delivered and counted, contributing nothing)",
         routing="marks",
         needs=(DROPPED_SLOTS,),
+        tokens=64,
+    ),
+    # Last: a backend that refuses views by ending its process (an abort in its native code)
+    # takes no other scenario with it.
+    Scenario(
+        "views",
+        "inputs as views of wider tensors (a column slice, a transpose) that the caller "
+        "overwrites after each call, and the outputs it got back written over too",
+        rounds=1,
+        views=True,
         tokens=64,
     ),
 )

@@ -2,7 +2,9 @@
 
 Every rank calls the backend in the same order whatever a check finds (problems are recorded,
 never raised, so the ranks stay in step), leaves a breadcrumb before each call and stops at the
-first call that raises. See docs/probes.md, section "Scenarios".
+first call that raises, except where ``views`` finds out which views a raising call refuses
+(``caller``: a precondition, agreed over the ranks in the job's store). See docs/probes.md,
+sections "Scenarios" and "Preconditions".
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from ep_image.probes import _supervise
 from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.ranks import Runtime
+from ep_image.probes.check_ep.ranks import PEER_WAIT_SECONDS, Runtime
 from ep_image.probes.check_ep.reference import (
     Expected,
     GlobalRouting,
@@ -47,14 +49,12 @@ from ep_image.probes.check_ep.reference import (
     tensor_contract,
     token_scale,
 )
-from ep_image.probes.check_ep.scenarios.caller import Caller
+from ep_image.probes.check_ep.scenarios.caller import BackendRaised, Caller
 from ep_image.probes.check_ep.scenarios.catalogue import (
     BY_NAME,
     ERROR,
-    FAIL,
     NOT_APPLICABLE,
     NOT_RUN,
-    PASS,
     Scenario,
     not_applicable,
     scenario_seed,
@@ -62,14 +62,8 @@ from ep_image.probes.check_ep.scenarios.catalogue import (
     tokens_of,
 )
 from ep_image.probes.check_ep.scenarios.routing import router_of, zero_weights
+from ep_image.probes.check_ep.scenarios.verdict import result_of
 from ep_image.probes.check_ep.types import Shape
-
-
-class BackendRaised(Exception):
-    """The backend raised inside a scenario: its state (and the group's) is unknown now."""
-
-    def __init__(self, where: str, exc: BaseException) -> None:
-        super().__init__(f"{where} raised {type(exc).__name__}: {' '.join(str(exc).split())}")
 
 
 @dataclasses.dataclass
@@ -109,10 +103,11 @@ class Run:
     problems: list[str] = dataclasses.field(default_factory=list)
     checks: int = 0
     caller: Caller | None = None  # views: every call through the caller's hands
+    raised: int = 0  # calls that raised here and were agreed over ranks (everyone_raised)
 
     def __post_init__(self) -> None:
         if self.scenario.views:
-            self.caller = Caller(self.call, self.check)
+            self.caller = Caller(self.call, self.check, self.everyone_raised, self.scenario.name)
 
     def send(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """A backend call as the scenario's caller makes it: with fresh tensors, or (views)
@@ -121,16 +116,51 @@ class Run:
             return self.caller(where, fn, *args)
         return self.call(where, fn, *args)
 
-    def call(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call the backend (breadcrumb first: a crash or hang is reported with ``where``)."""
-        _supervise.progress.update(scenario=f"{self.scenario.name}: {where}")
+    def call(
+        self, where: str, fn: Callable[..., Any], *args: Any, views: dict[str, Any] | None = None
+    ) -> Any:
+        """Call the backend (breadcrumb first: a crash or hang is reported with ``where``, and
+        in ``views`` with the tensors handed as views and what the scenario found so far)."""
+        crumb: dict[str, Any] = {"scenario": f"{self.scenario.name}: {where}"}
+        if self.caller is not None:
+            crumb["scenario_views"] = views
+            crumb["scenario_found"] = {
+                "problems": self.problems[:8],
+                "preconditions": self.preconditions(),
+            }
+        _supervise.progress.update(**crumb)
         try:
             out = fn(*args)
         except Exception as exc:
             raise BackendRaised(where, exc) from exc
+        except SystemExit as exc:  # in views, ending the process is a way to refuse a view
+            if self.caller is None:
+                raise
+            raise BackendRaised(where, exc) from exc
         if self.rt.use_gpu:
             torch.cuda.synchronize(self.rt.device)
         return out
+
+    def preconditions(self) -> list[dict[str, Any]]:
+        """The views the backend refused so far, as JSON."""
+        return [r.to_json() for r in self.caller.refusals] if self.caller is not None else []
+
+    def everyone_raised(self) -> bool:
+        """After a call raised here: whether it raised on every rank at this same point, each
+        rank marking it in the job's store and waiting briefly for the others (a peer whose
+        call did not raise is inside the backend's collective, and never marks it)."""
+        self.raised += 1
+        store, env = self.rt.store, self.rt.env
+        if store is None or env.world == 1:
+            return True
+        key = f"scenario-raised/{self.scenario.name}/{self.raised}/"
+        store.set(f"{key}{env.rank}", "1")
+        deadline = time.monotonic() + min(PEER_WAIT_SECONDS, self.rt.timeout)
+        while time.monotonic() < deadline:
+            if all(store.check([f"{key}{r}"]) for r in range(env.world)):
+                return True
+            time.sleep(0.02)
+        return False
 
     def check(self, where: str, fn: Callable[..., list[str]], *args: Any) -> None:
         """Run one comparison; its problems are recorded, never raised (ranks stay in step)."""
@@ -359,13 +389,38 @@ def run_one(
     router = router_of(scenario, shape, rt.env.world)
     start = time.perf_counter()
     layouts = [_layout(run, i, tokens, router) for i in range(scenario.layouts)]
+    try:
+        _drive(run, layouts)
+    except BackendRaised as exc:
+        # Stopped here; what it got wrong before that (and refused) is still its verdict's.
+        entry = {"name": scenario.name, "seed": seed, "input": scenario.exercises}
+        entry.update(status=ERROR, detail=str(exc))
+        if run.problems:
+            entry.update(problems=run.problems[:8], wrong_data=True)
+        if run.preconditions():
+            entry["preconditions"] = run.preconditions()
+        return entry
+    result = {"name": scenario.name, "seed": seed, "input": scenario.exercises}
+    result.update(result_of(run.problems, run.preconditions()))
+    result.update(
+        tokens=[lay.inputs.x.shape[0] for lay in layouts],
+        received=[_rows(lay.d) for lay in layouts],
+        checks=run.checks,
+        seconds=round(time.perf_counter() - start, 4),
+    )
+    return result
+
+
+def _drive(run: Run, layouts: list[Layout]) -> None:
+    """The scenario's calls, in the order its framework makes them."""
+    rt, backend, scenario = run.rt, run.backend, run.scenario
     if scenario.lifecycle:
         # Layout 0's whole round trip on the buffer as made, then the buffer destroyed and made
         # again on the same group before layout 1.
         _backward(run, _forward(run, layouts[0]))
         dist.barrier(group=rt.ctrl_group)  # every rank done with the buffer, as at shutdown
         run.call("destroy", backend.destroy)
-        run.call("create again", backend.create, rt.ep_group, shape)
+        run.call("create again", backend.create, rt.ep_group, run.shape)
         for lay in layouts[1:]:
             _backward(run, _forward(run, lay))
     elif scenario.interleaved:
@@ -381,22 +436,6 @@ def run_one(
             if scenario.recompute:
                 _recompute(run, lay)
             _backward(run, lay)
-    result: dict[str, Any] = {
-        "name": scenario.name,
-        "seed": seed,
-        "input": scenario.exercises,
-        "status": FAIL if run.problems else PASS,
-        "detail": "",
-        "tokens": [lay.inputs.x.shape[0] for lay in layouts],
-        "received": [_rows(lay.d) for lay in layouts],
-        "checks": run.checks,
-        "seconds": round(time.perf_counter() - start, 4),
-    }
-    if run.problems:
-        more = len(run.problems) - 1
-        result["detail"] = run.problems[0] + (f" (and {more} more problems)" if more else "")
-        result["problems"] = run.problems[:8]
-    return result
 
 
 def run_all(
@@ -420,13 +459,13 @@ def run_all(
         elif reason is not None:
             entry.update(status=NOT_APPLICABLE, detail=reason)
         else:
-            try:
-                entry = run_one(rt, backend, shape, scenario, seed, tolerance)
-            except BackendRaised as exc:
-                entry.update(status=ERROR, detail=str(exc))
+            entry = run_one(rt, backend, shape, scenario, seed, tolerance)
+            if entry["status"] == ERROR:
                 stopped = name
         results.append(entry)
         # Kept beside the breadcrumb, so a crash in a later scenario still reports these.
         _supervise.progress.update(scenario_results=results)
-    _supervise.progress.update(scenario=None, scenario_results=None)
+    _supervise.progress.update(
+        scenario=None, scenario_results=None, scenario_views=None, scenario_found=None
+    )
     return results
