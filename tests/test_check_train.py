@@ -13,16 +13,27 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FIXTURES, ROOT, clean_env, run_probe_in
 
-from ep_image import child_env
-from ep_image.probes.check_train.types import STEP_NAMES, agreement_bound, lr_for
+from ep_image import backends, child_env
+from ep_image.probes.check_train import all_backends, cli, loop, verdicts
+from ep_image.probes.check_train.recompute import HASHES, Fingerprint, finding_of
+from ep_image.probes.check_train.types import (
+    SPEED_PAIRS,
+    SPEED_WARMUP_PAIRS,
+    STEP_NAMES,
+    agreement_bound,
+    lr_for,
+)
 
 BROKEN = FIXTURES / "broken_training.py"
 FRONT_DOOR = str(ROOT / "probes" / "check_train.py")
@@ -77,12 +88,31 @@ def test_reference_trains_beside_the_fallback(tmp_path: Path, ranks: int) -> Non
     assert n["speedup"] > 0 and n["backend_tokens_per_second"] > 0
     assert n["agreement_max_loss_rel_diff"] == 0.0 and n["agreement_max_grad_rel_diff"] == 0.0
     recompute = step(report, "recompute")["data"]
-    # Every layer of every step was recomputed once, and got its forward's rows.
+    # Every layer of every step was recomputed once, and got its forward's rows in its order.
     assert len(recompute["recomputes"]) == 2 * 8
-    assert all(c["how"] == "" for c in recompute["recomputes"])
+    assert all(c["found"] == "same" for c in recompute["recomputes"])
+    assert recompute["findings"]["same"] == 16 and sum(recompute["findings"].values()) == 16
+    assert recompute["frameworks"] == {
+        "dispatch_with_its_handle": "yes",
+        "dispatch_with_forward_handle": "yes",
+        "cached_dispatch": "not run",
+    }
+    assert n["recompute_frameworks"] == recompute["frameworks"]
     assert recompute["max_grad_rel"] == 0.0
-    assert "checkpointing on (non-reentrant)" in probe.proc.stdout
-    assert "CPU: not a GPU figure" in step(report, "speed")["detail"]
+    assert (
+        "checkpointing on (non-reentrant), recompute by dispatch, its handle used by the "
+        "backward" in probe.proc.stdout
+    )
+    assert report["training"]["backward_handle"] == "recompute's"
+    speed = step(report, "speed")
+    assert "CPU: not a GPU figure" in speed["detail"]
+    # Both exchanges timed alike: the same warm-up, as many timed steps, taken in turn. The
+    # reference is the fallback's exchange by other means: a sane ratio even on a loaded CPU.
+    protocol = speed["data"]["protocol"]
+    assert protocol["warmup_pairs"] == 2 and protocol["pairs"] == 6
+    assert len(protocol["backend_seconds"]) == len(protocol["fallback_seconds"]) == 6
+    assert protocol["first"] == ["backend", "fallback"] * 3
+    assert 0.2 < n["speedup"] < 5, speed["detail"]
     assert report["training"]["agreement_bound"] == agreement_bound(2)
     assert report["training"]["lr"] == lr_for(64) == 1e-2  # the CPU model's hidden size
     assert report["world_size"] == ranks and report["dtype"] == "bfloat16"
@@ -137,10 +167,20 @@ def test_a_recompute_with_fewer_rows_is_named(tmp_path: Path) -> None:
 
 
 def test_rows_permuted_on_recompute_under_the_first_handle_are_named(tmp_path: Path) -> None:
+    """A recompute that returns its forward's rows in another order under the forward's
+    handle: the backward takes the recompute's rows back along a handle that does not follow
+    them (two layouts mixed), and the gradients say so."""
     probe, _ = run(tmp_path, *broken("PermutedRowsOnRecompute"), *SMALL, nproc=0)
     assert probe.proc.returncode == 1, probe.output
-    detail = step(probe.report, "recompute")["detail"]
-    assert "the rows of its forward in another order" in detail, detail
+    recompute = step(probe.report, "recompute")
+    detail = recompute["detail"]
+    assert recompute["status"] == "fail"
+    assert "returned their forwards' rows (12 of 12 in another order)" in detail, detail
+    assert "the backward mixes two layouts" in detail and "step 0: gradient differs" in detail
+    assert "handle must take the rows its dispatch returned back" in recompute["hint"]
+    assert recompute["data"]["findings"]["reordered"] == 12
+    assert recompute["data"]["frameworks"]["dispatch_with_its_handle"] == "no"
+    assert step(probe.report, "agreement")["status"] == "fail"
 
 
 def test_a_backward_wrong_only_after_a_recompute_is_caught(tmp_path: Path) -> None:
@@ -151,7 +191,7 @@ def test_a_backward_wrong_only_after_a_recompute_is_caught(tmp_path: Path) -> No
     assert "differs from its own step without it" in recompute["detail"]
     assert "step 0: gradient differs by" in recompute["detail"]
     # Every recomputed dispatch got its forward's rows: the fault is in the backward.
-    assert all(c["how"] == "" for c in recompute["data"]["recomputes"])
+    assert all(c["found"] == "same" for c in recompute["data"]["recomputes"])
     agreement = step(probe.report, "agreement")
     assert agreement["status"] == "fail"
     assert agreement["data"]["max_grad_rel_diff"] > agreement_bound(2)
@@ -203,19 +243,30 @@ def test_a_backend_raising_on_one_rank_ends_in_seconds(tmp_path: Path) -> None:
     assert seconds < 90, seconds
 
 
-def test_rows_in_a_new_order_each_call_pass_only_along_the_forwards_layout(
-    tmp_path: Path,
-) -> None:
-    """A correct backend whose rows come in a new order at every call (as a backend with
-    atomic counters) and whose combine adds in another order: its recompute by dispatch gets
-    its forward's rows in another order, which the backward cannot pair with the forward's
-    handle (a failure with its fix); recomputed along the forward's layout it trains as the
-    fallback does, within the bound."""
+def test_rows_in_a_new_order_each_call_pass(tmp_path: Path) -> None:
+    """A correct backend whose rows come in a new order at every call (as DeepEP v2's do) with
+    a handle that follows them, and whose combine adds in another order: its recompute by
+    dispatch gets its forward's rows in another order, which the backward along the
+    recompute's handle takes right; the report says so, and which recompute a framework can
+    use with it. Recomputed along the forward's layout, it trains as well."""
     probe, _ = run(tmp_path, *broken("ReordersRowsAndSums"), *SMALL, nproc=0)
-    assert probe.proc.returncode == 1, probe.output
-    detail = step(probe.report, "recompute")["detail"]
-    assert "the rows of its forward in another order" in detail
-    assert "--recompute cached" in step(probe.report, "recompute")["hint"]
+    assert probe.proc.returncode == 0, probe.output
+    recompute = step(probe.report, "recompute")
+    assert recompute["status"] == "pass", recompute["detail"]
+    assert "reordered (12 of 12 in another order)" in recompute["detail"]
+    assert recompute["data"]["findings"]["reordered"] == 12
+    assert {c["how"] for c in recompute["data"]["recomputes"]} == {
+        "the rows of its forward in another order"
+    }
+    assert recompute["data"]["frameworks"] == {
+        "dispatch_with_its_handle": "yes",
+        "dispatch_with_forward_handle": "no",
+        "cached_dispatch": "not run",
+    }
+    assert "reentrant, as Megatron's" in recompute["data"]["verdict"]
+    assert recompute["data"]["max_grad_rel"] <= recompute["data"]["bound"]
+    agreement = step(probe.report, "agreement")["data"]
+    assert agreement["max_grad_rel_diff"] <= agreement["bound"]
 
     probe, _ = run(
         tmp_path, *broken("ReordersRowsAndSums"), *SMALL, "--recompute", "cached", nproc=0
@@ -223,6 +274,51 @@ def test_rows_in_a_new_order_each_call_pass_only_along_the_forwards_layout(
     assert probe.proc.returncode == 0, probe.output
     agreement = step(probe.report, "agreement")["data"]
     assert agreement["max_grad_rel_diff"] <= agreement["bound"]
+    recompute = step(probe.report, "recompute")["data"]
+    assert recompute["frameworks"]["cached_dispatch"] == "yes"
+    assert recompute["frameworks"]["dispatch_with_its_handle"] == "not run"
+    assert "recompute by cached dispatch (forward's handle)" in probe.proc.stdout
+
+
+def test_top_k_slots_in_a_new_order_each_call_pass(tmp_path: Path) -> None:
+    """A correct backend that returns each row's top-k slots in a new order at every call,
+    its handle carrying the weights' gradients back to the token's own slots: the recompute
+    finds the same rows with their slots in another order, and the training is right."""
+    probe, _ = run(tmp_path, *broken("PermutesSlotsEveryCall"), *SMALL, nproc=0)
+    assert probe.proc.returncode == 0, probe.output
+    recompute = step(probe.report, "recompute")
+    assert recompute["data"]["findings"]["slots"] == 12, recompute["data"]["findings"]
+    assert "12 of 12 with top-k slots inside rows in another order" in recompute["detail"]
+    assert recompute["data"]["frameworks"]["dispatch_with_its_handle"] == "yes"
+    assert recompute["data"]["frameworks"]["dispatch_with_forward_handle"] == "no"
+
+
+@pytest.mark.parametrize(
+    ("fault", "says", "found"),
+    [
+        ("OtherTokenRowsOnRecompute", "other token rows", "token_rows"),
+        ("OtherCountsOnRecompute", "other counts per expert than its forward", "counts"),
+        ("OtherWeightsOnRecompute", "the same rows and experts with other weights (bits)",
+         "weights"),
+    ],
+)  # fmt: skip
+def test_a_recompute_with_other_rows_counts_or_weights_is_named(
+    tmp_path: Path, fault: str, says: str, found: str
+) -> None:
+    """Not the forward's rows in any order: the training stops at once on every rank with
+    what differed, whether or not the gradients would have shown it."""
+    probe, _ = run(tmp_path, *broken(fault), *SMALL, nproc=0)
+    assert probe.proc.returncode == 1, probe.output
+    recompute = step(probe.report, "recompute")
+    assert recompute["status"] == "fail"
+    assert recompute["detail"] == (
+        f"step 0, layer 1: the recompute's dispatch returned {says} (ranks [0])"
+    )
+    assert recompute["data"]["recomputes"][-1]["found"] == found
+    assert recompute["data"]["frameworks"]["dispatch_with_its_handle"] == "no"
+    assert "turn off activation checkpointing" in recompute["hint"]
+    assert step(probe.report, "train")["status"] == "fail"
+    assert "Traceback" not in probe.output
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,6 +388,12 @@ def test_all_backends_runs_each_venv_and_prints_one_table(tmp_path: Path) -> Non
     assert data["exit_code"] == 4
     # Each run's own report beside the combined one.
     assert (report.parent / "train.deepep_v2.json").is_file()
+    # No GPU here: every backend runs as the flags say (one rank), and its row says so.
+    assert data["gpus"] == 0
+    assert [r["argv"] for r in data["runs"]] == [[], []]
+    assert [(r["ranks"], r["ranks_per_gpu"]) for r in data["rows"]] == [(1, 1), (1, 1)]
+    assert "backend      result     ranks" in table
+    assert "deepep_v2    missing    1 " in table
 
 
 def test_all_backends_without_venvs_names_the_prefix(tmp_path: Path) -> None:
@@ -315,3 +417,203 @@ def test_te_on_without_te_is_missing(tmp_path: Path) -> None:
     model = step(probe.report, "model")
     assert model["status"] == "missing"
     assert "--te on: Transformer Engine is not installed" in model["detail"]
+
+
+# ---------------------------------------------------------------------------------------
+# In-process: the fingerprint's findings, the speed's protocol, --help, the ranks per backend
+# ---------------------------------------------------------------------------------------
+
+
+def _dispatched(dtype: torch.dtype, rows: int = 6, hidden: int = 300, k: int = 3) -> tuple:
+    """A dispatch's rows (``hidden`` wider than two hashed chunks), local experts (-1: another
+    rank's) and weights, with each row's experts distinct."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn((rows, hidden), generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(8, generator=gen)[:k] - 2 for _ in range(rows)])
+    idx = idx.clamp(min=-1)
+    w = torch.rand((rows, k), generator=gen)
+    return x, idx, w
+
+
+def _counts(idx: torch.Tensor) -> list[int]:
+    return torch.bincount(idx[idx >= 0], minlength=6).tolist()
+
+
+def _finding(was: tuple, found: tuple) -> tuple[str, bool]:
+    """What a recompute that got ``found`` finds against a forward that got ``was``."""
+    a = Fingerprint.of(*was, _counts(was[1]))
+    b = Fingerprint.of(*found, _counts(found[1]))
+    if b.shape_finding(a) != "same":
+        return b.shape_finding(a), False
+    equal = (a.hashes == b.hashes).tolist()
+    return finding_of(dict(zip(HASHES, equal, strict=True)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_the_fingerprint_names_what_changed(dtype: torch.dtype) -> None:
+    """Each way a recompute's rows can differ from its forward's reads as exactly one finding;
+    the same rows in another order, or with their slots in another order, stay the same
+    rows."""
+    x, idx, w = _dispatched(dtype)
+    same = (x, idx, w)
+    assert _finding(same, (x.clone(), idx.clone(), w.clone())) == ("same", False)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    assert _finding(same, (x[order], idx[order], w[order])) == ("reordered", True)
+    slots = torch.tensor([2, 0, 1])
+    assert _finding(same, (x, idx[:, slots], w[:, slots])) == ("slots", False)
+    assert _finding(same, (x[order], idx[order][:, slots], w[order][:, slots])) == (
+        "slots",
+        True,
+    )
+    local = (idx[1] >= 0).nonzero()[0, 0]
+    w2 = w.clone()
+    w2[1, local] = torch.nextafter(w2[1, local], torch.tensor(2.0))
+    assert _finding(same, (x, idx, w2)) == ("weights", False)
+    # The weight of another rank's expert (-1) is none of this rank's: a backend may leave it.
+    assert (idx == -1).any()
+    w5 = torch.where(idx >= 0, w, torch.full_like(w, float("nan")))
+    assert _finding(same, (x, idx, w5)) == ("same", False)
+    # Two rows swap one expert each: the counts per expert stay, the routing does not.
+    idx2 = idx.clone()
+    idx2[0, 0], idx2[1, 0] = 5, 4
+    idx3 = idx.clone()
+    idx3[0, 0], idx3[1, 0] = 4, 5
+    assert _counts(idx2) == _counts(idx3)
+    assert _finding((x, idx2, w), (x, idx3, w)) == ("experts", False)
+    x2 = x.clone()
+    x2[2, 299] = x2[2, 299] + 1  # in the last, partial chunk of columns
+    assert _finding(same, (x2, idx, w)) == ("token_rows", False)
+    # Two rows exchange one element: every column's sum stays, the rows do not.
+    x3 = x.clone()
+    x3[0, 0], x3[1, 0] = x[1, 0], x[0, 0]
+    if not torch.equal(x3, x):
+        assert _finding(same, (x3, idx, w)) == ("token_rows", False)
+    idx4 = idx.clone()
+    idx4[idx4 >= 0] = (idx4[idx4 >= 0] + 1) % 6
+    assert _finding(same, (x, idx4, w))[0] in ("counts", "experts")
+    assert _finding(same, (x[1:], idx[1:], w[1:])) == ("rows", False)
+
+
+def test_the_fingerprint_of_no_rows() -> None:
+    """A rank that received no row hashes to the same empty fingerprint, in any dtype."""
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):
+        x = torch.zeros((0, 64), dtype=dtype)
+        idx = torch.zeros((0, 2), dtype=torch.int64)
+        w = torch.zeros((0, 2))
+        a, b = Fingerprint.of(x, idx, w, [0, 0]), Fingerprint.of(x.clone(), idx, w, [0, 0])
+        assert a.rows == 0 and a.hashes.dtype == torch.int64
+        assert torch.equal(a.hashes, b.hashes)
+        assert a.hashes.shape == (len(HASHES),)
+
+
+def test_the_fingerprint_keeps_no_copy_and_stays_on_the_device() -> None:
+    """The forward's fingerprint is a few int64 on the rows' device (no host sync, no copy of
+    the rows that checkpointing exists to drop)."""
+    x, idx, w = _dispatched(torch.bfloat16, rows=64)
+    f = Fingerprint.of(x, idx, w, _counts(idx))
+    tensors = [v for v in vars(f).values() if isinstance(v, torch.Tensor)]
+    assert tensors == [f.hashes] and f.hashes.numel() == len(HASHES)
+    assert f.hashes.device == x.device
+
+
+class _Clock:
+    """A trainer whose every step takes a fixed time per exchange, on a fake clock."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, costs: dict[str, float]) -> None:
+        self.now = 0.0
+        self.costs = costs
+        self.calls: list[tuple[int, str, bool]] = []
+        monkeypatch.setattr(loop.time, "perf_counter", lambda: self.now)
+        self.phase = loop.Phase(
+            shape=None, seed=0, rank=0, world=1, device=torch.device("cpu"),
+            dtype=torch.bfloat16, group=None, lr=0.01, steps=8,
+        )  # fmt: skip
+        self.optimizer = types.SimpleNamespace(step=lambda: None)
+
+    def forward_backward(self, step: int, exchange: object, checkpointed: bool) -> float:
+        name = getattr(exchange, "name", "")
+        self.calls.append((step, name, checkpointed))
+        self.now += self.costs[name]
+        return 0.0
+
+
+class _Exchange:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.begun: list[tuple[int, bool]] = []
+
+    def begin(self, step: int, checking: bool) -> None:
+        self.begun.append((step, checking))
+
+
+def test_the_speed_is_timed_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both exchanges take whole steps in turn on the same batches after the same warm-up,
+    the first swapped every pair, the recompute unchecked: an exchange as fast as the
+    fallback reads 1.0x, and a backend twice as fast 2.0x, whatever ran before it."""
+    trainer = _Clock(monkeypatch, {"backend": 0.5, "fallback": 0.5})
+    backend, fallback = _Exchange("backend"), _Exchange("fallback")
+    timing = loop.time_alike(trainer, backend, fallback, True)
+    pairs = SPEED_WARMUP_PAIRS + SPEED_PAIRS
+    assert [c[0] for c in trainer.calls] == [8 + i // 2 for i in range(2 * pairs)]
+    assert [c[1] for c in trainer.calls] == ["backend", "fallback", "fallback", "backend"] * (
+        pairs // 2
+    )
+    assert all(c[2] for c in trainer.calls)
+    assert backend.begun == [(8 + i, False) for i in range(pairs)]
+    assert timing["first"] == ["backend", "fallback"] * (SPEED_PAIRS // 2)
+    assert timing["backend_seconds"] == timing["fallback_seconds"] == [0.5] * SPEED_PAIRS
+    result = loop.PhaseResult(timing=timing)
+    speed = verdicts.step_speed(result, loop.PhaseResult(), 1000, "", True)
+    assert speed.data["speedup"] == 1.0 and "1.00x over 6 pairs" in speed.detail
+
+    trainer = _Clock(monkeypatch, {"backend": 0.25, "fallback": 0.5})
+    timing = loop.time_alike(trainer, _Exchange("backend"), _Exchange("fallback"), False)
+    speed = verdicts.step_speed(loop.PhaseResult(timing=timing), loop.PhaseResult(), 1000, "",
+                                False)  # fmt: skip
+    assert speed.data["speedup"] == 2.0
+    assert speed.data["backend_step_seconds"] == 0.25
+
+
+def test_help_names_only_flags_it_takes() -> None:
+    """Every flag --help names is one check_train takes (check_ep's --min-gbs was named in
+    --ranks-per-gpu's help, which check_train shares)."""
+    parser = cli.build_parser()
+    text = parser.format_help()
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*[a-z]", text)) - {"--help"}
+    assert "--ranks-per-gpu" in flags and "--recompute" in flags
+    for flag in sorted(flags):
+        action = parser._option_string_actions.get(flag)
+        assert action is not None, f"--help names {flag}, which check_train does not take"
+        value = [] if action.nargs == 0 else [str((action.choices or ["2"])[0])]
+        _, unknown = parser.parse_known_args([flag, *value])
+        assert unknown == [], (flag, unknown)
+
+
+def test_all_backends_starts_each_backend_at_the_ranks_it_needs() -> None:
+    """On one GPU, DeepEP v1 and HybridEP (never run at one rank) start 2 ranks sharing it,
+    the others one; on more GPUs each takes the most ranks it runs at, one a GPU; without a
+    GPU, or with ranks given on the command line, the flags decide."""
+    ranks = {g: {n: all_backends.ranks_for(n, g) for n in backends.BACKEND_NAMES} for g in
+             (0, 1, 2, 3, 8)}  # fmt: skip
+    assert ranks[1] == {"deepep_v1": (2, 2), "deepep_v2": (1, 1), "hybridep": (2, 2),
+                        "ncclep": (1, 1)}  # fmt: skip
+    assert ranks[2] == dict.fromkeys(backends.BACKEND_NAMES, (2, 1))
+    assert ranks[3] == {"deepep_v1": (2, 1), "deepep_v2": (3, 1), "hybridep": (3, 1),
+                        "ncclep": (3, 1)}  # fmt: skip
+    assert ranks[8] == dict.fromkeys(backends.BACKEND_NAMES, (8, 1))
+    assert ranks[0] == dict.fromkeys(backends.BACKEND_NAMES, (0, 1))
+    options = cli.parse_options(["--all-backends"])
+    assert all_backends.launch_flags("deepep_v1", 1, options) == [
+        "--nproc-per-node", "2", "--ranks-per-gpu", "2"
+    ]  # fmt: skip
+    assert all_backends.launch_flags("deepep_v2", 1, options) == []
+    assert all_backends.launch_flags("deepep_v1", 0, options) == []
+    given = cli.parse_options(["--all-backends", "--nproc-per-node", "4"])
+    assert all_backends.launch_flags("deepep_v1", 1, given) == []
+
+
+def test_the_registry_says_what_deepep_v1s_adapter_runs_at() -> None:
+    """The ranks --all-backends starts DeepEP v1 at are the ones its adapter accepts."""
+    from ep_image.probes.check_ep.adapters.buffer import DeepEPv1Backend
+
+    assert backends.spec("deepep_v1").world_sizes == DeepEPv1Backend.world_sizes

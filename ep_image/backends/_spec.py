@@ -102,6 +102,13 @@ class BackendSpec:
     upstream_test: str = ""
     upstream_shape: str = "flags"
     shares_gpu: bool = True
+    #: The world sizes its one-node kernels run at (empty: any from ``min_ranks`` up): DeepEP
+    #: v1's intranode kernels exist for 2, 4 and 8 ranks. ``check-train --all-backends`` starts
+    #: each backend at the most of these the GPUs hold, one rank a GPU, else at its fewest,
+    #: ranks sharing a GPU.
+    world_sizes: tuple[int, ...] = ()
+    #: The fewest ranks it is run at, where ``world_sizes`` is empty.
+    min_ranks: int = 1
     #: pyproject.toml's [tool.uv.extra-build-variables] of its distribution are its switches
     #: (HybridEP's multi-node build); a variant sharing the distribution ignores them.
     reads_build_variables: bool = False
@@ -119,6 +126,11 @@ class BackendSpec:
     @property
     def extra(self) -> str:
         return self.name
+
+    @property
+    def fewest_ranks(self) -> int:
+        """The fewest ranks it runs at."""
+        return min(self.world_sizes) if self.world_sizes else self.min_ranks
 
     @property
     def module_path(self) -> str:

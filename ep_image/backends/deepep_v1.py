@@ -15,6 +15,8 @@ SPEC = BackendSpec(
     links_nvshmem=True,
     internode_check="nvshmem",
     upstream_test="test_intranode.py",
+    # Its intranode kernels exist for these (the adapter skips any other world size).
+    world_sizes=(2, 4, 8),
     build_hint=(
         "compiled from its pinned git commit against the venv's torch and NVSHMEM: needs git "
         "access to the commit (GitHub, or a mirror through url.<mirror>.insteadOf), a CUDA "

@@ -19,6 +19,8 @@ SPEC = BackendSpec(
     internode_check="rdma",
     upstream_test="test_hybrid_ep.py",
     upstream_shape="env",
+    # Measured at 2 and 4 ranks (evidence/2026-12-03), where its own test ran too; never at one.
+    min_ranks=2,
     reads_build_variables=True,
     # Read by this package's jit_cache (HybridEP itself compiles into a per-process directory).
     jit_cache=("EP_HYBRIDEP_JIT_CACHE", "hybrid_ep"),

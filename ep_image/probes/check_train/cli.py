@@ -116,7 +116,25 @@ exit codes (all ranks agree):
         "--seed", type=int, default=0, help="seed of the weights and batches (default: 0)"
     )
     ep_cli.add_run_flags(parser)
+    _own_help(
+        parser,
+        "--ranks-per-gpu",
+        "let up to K local ranks share one GPU (round-robin) for a functional check on fewer "
+        "GPUs: the group is gloo (NCCL refuses two ranks on one GPU, so backends that build "
+        "NCCL communicators are refused), and step times are labelled 'shared GPU: not a link "
+        "figure' (default: 1)",
+    )
     return parser
+
+
+def _own_help(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
+    """Replace the help of a flag check_ep's helpers added: theirs may name check_ep's own
+    flags (``--min-gbs``), which this command does not take."""
+    for action in parser._actions:
+        if flag in action.option_strings:
+            action.help = text
+            return
+    raise ValueError(f"{flag} is not a flag of {parser.prog}")
 
 
 def parse_options(argv: Sequence[str] | None) -> TrainOptions:

@@ -6,16 +6,13 @@ two trainings can be held against each other. The backend runs as training frame
 dispatch and combine inside ``autograd.Function``s, the router's top-k weights sent with the
 tokens and their gradient carried back by dispatch's backward, each layer's handle alive until
 its backward, and under activation checkpointing the layer's dispatch called again in the
-recompute. The recompute is held against its forward here (:class:`RecomputeLedger`): the
-backward pairs the forward's handle with what the recompute returned, so anything but the same
-rows in the same order is wrong, and the check says which it is instead of a raw
+recompute, whose handle the backward then uses (as a reentrant recompute does). The recompute
+is held against its forward (``recompute``), which names what it returned instead of a raw
 ``CheckpointError`` or silently wrong gradients.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -23,116 +20,18 @@ import torch.distributed as dist
 
 from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_train.model import Experts
-
-
-class RecomputeMismatch(Exception):
-    """A layer's recompute got other rows from dispatch than its forward did; raised on every
-    rank at once (the ranks agree on it first), so no rank is left in a collective."""
-
-
-@dataclasses.dataclass
-class Fingerprint:
-    """What a dispatch returned, in a few numbers: rows, counts per expert, and two hashes of
-    every row's bits (rows, routing and weights), one that depends on the rows' order and one
-    that does not. Keeps no copy of the rows (the recompute exists to save that memory), and
-    its hashes stay on the device until a recompute compares them (no host sync in the
-    forward)."""
-
-    rows: int
-    per_expert: list[int]
-    hashes: torch.Tensor  # [ordered, unordered], int64
-
-    @classmethod
-    def of(
-        cls, recv_x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, per_expert: Any
-    ) -> Fingerprint:
-        bits = _row_bits(recv_x, idx, w)
-        row_hash = (bits * _mixers(bits.shape[1], bits.device, 1)).sum(dim=1)
-        position = _mixers(bits.shape[0], bits.device, 2)
-        hashes = torch.stack([(row_hash * position).sum(), row_hash.sum()])
-        return cls(int(recv_x.shape[0]), [int(c) for c in per_expert], hashes)
-
-
-def _row_bits(recv_x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Each row's bits as int64 columns: the payload, its routing and its weights."""
-    parts = []
-    for t in (recv_x, idx, w):
-        columns = math.prod(t.shape[1:])  # reshape(rows, -1) fails on 0 rows
-        flat = t.detach().reshape(t.shape[0], columns).contiguous()
-        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-        parts.append(flat.view(view).to(torch.int64))
-    return torch.cat(parts, dim=1)
-
-
-def _mixers(n: int, device: torch.device, salt: int) -> torch.Tensor:
-    """``n`` fixed odd 63-bit multipliers (a hash's weights; int64 arithmetic wraps)."""
-    gen = torch.Generator()
-    gen.manual_seed(0x5EED0000 + salt)
-    return (torch.randint(0, 1 << 62, (n,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
-
-
-@dataclasses.dataclass
-class Recorded:
-    """A layer's forward dispatch in the current pass: its fingerprint, its handle, and (for
-    ``--recompute cached``) the routing it delivered."""
-
-    fingerprint: Fingerprint
-    handle: Any
-    recv_idx: torch.Tensor
-    recv_weights: torch.Tensor
-
-
-@dataclasses.dataclass
-class RecomputeLedger:
-    """Each layer's first dispatch of a checkpointed pass, to hold its recompute against. A
-    pass is one forward and backward; a second dispatch of a layer in the same pass is its
-    recompute. A pass without checkpointing records nothing."""
-
-    ctrl_group: Any  # gloo: the ranks agree on a mismatch before any rank raises
-    mode: str = "dispatch"  # dispatch | cached: what the recompute asks of the backend
-    step: int = 0
-    checking: bool = False  # this pass is checkpointed: record and compare
-    records: dict[int, Recorded] = dataclasses.field(default_factory=dict)
-    #: What every recompute found, in order: {"step", "layer", "rows", "how"}.
-    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-
-    def begin(self, step: int, checking: bool) -> None:
-        self.step = step
-        self.checking = checking
-        self.records.clear()
-
-    def recompare(self, layer: int, found: Fingerprint) -> None:
-        """Hold a recompute's dispatch against its forward's; on a mismatch anywhere, raise
-        :class:`RecomputeMismatch` on every rank."""
-        was = self.records[layer].fingerprint
-        ordered, unordered = (found.hashes == was.hashes).tolist()
-        if found.rows != was.rows:
-            how = f"{found.rows} rows where its forward got {was.rows}"
-        elif found.per_expert != was.per_expert:
-            how = "other counts per expert than its forward"
-        elif not unordered:
-            how = f"{found.rows} rows, as its forward, but other rows"
-        elif not ordered:
-            how = "the rows of its forward in another order"
-        else:
-            how = ""
-        self.checks.append(
-            {"step": self.step, "layer": layer, "rows": [was.rows, found.rows], "how": how}
-        )
-        bad = torch.tensor([1 if how else 0], dtype=torch.int64)
-        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(flags, bad, group=self.ctrl_group)
-        ranks = [r for r, f in enumerate(flags) if int(f.item())]
-        if ranks:
-            raise RecomputeMismatch(
-                f"step {self.step}, layer {layer}: the recompute's dispatch returned "
-                + (how or "what its forward did here, but not on other ranks")
-                + f" (ranks {ranks})"
-            )
+from ep_image.probes.check_train.recompute import Fingerprint, RecomputeLedger
 
 
 class BackendExchange:
-    """The backend's dispatch and combine around this rank's experts, as frameworks call them."""
+    """The backend's dispatch and combine around this rank's experts, as frameworks call them.
+
+    Each layer's handle lives in a slot (:attr:`handles`) that every dispatch of the layer
+    refreshes, and both backward ops read it. Under torch's non-reentrant checkpoint the
+    backward keeps the forward's autograd nodes but takes the tensors they saved (the experts'
+    rows) from the recompute; reading the handle from the slot sends the recompute's rows back
+    through the recompute's handle, as a reentrant recompute (Megatron's) does, so a backend
+    may return the same rows in another order each call (its adapters' contract)."""
 
     def __init__(
         self, backend: EPBackend, experts_of: Any, rank: int, local: int, ledger: RecomputeLedger
@@ -145,55 +44,84 @@ class BackendExchange:
         #: Per layer and pass: whether every MoE output (forward) and every gradient into the
         #: layer (backward) was finite, as device flags read once per step.
         self.finite: dict[tuple[str, int], torch.Tensor] = {}
+        #: Per layer: the handle of its latest dispatch in this pass (the recompute's, once it
+        #: ran), until the layer's backward has used it.
+        self.handles: dict[int, Any] = {}
+        #: Per layer, for ``--recompute cached``: the forward's layout (handle, routing and
+        #: weights received, counts per expert) that the recompute dispatches along.
+        self.layouts: dict[int, tuple[Any, torch.Tensor, torch.Tensor, list[int]]] = {}
+        #: Per layer: its dispatches in this pass (a second is its recompute).
+        self.calls: dict[int, int] = {}
+
+    def begin(self, step: int, checking: bool) -> None:
+        """A new pass (one forward and backward); ``checking``: hold its recomputes against
+        their forwards."""
+        self.calls.clear()
+        self.handles.clear()
+        self.layouts.clear()
+        self.ledger.begin(step, checking)
+
+    def recomputing(self, layer: int) -> bool:
+        return self.calls.get(layer, 0) > 1
 
     def __call__(
         self, tokens: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, layer: int
     ) -> torch.Tensor:
         recv_x, recv_w, recv_idx, handle = _Dispatch.apply(tokens, weights, idx, self, layer)
         rows = self.experts_of(layer)(recv_x, recv_idx, recv_w)
-        out = _Combine.apply(rows, self, handle, layer)
-        self.flag("forward", layer, out)
+        out = _Combine.apply(rows, self, handle, layer, tokens.shape[0])
+        if not self.recomputing(layer):
+            self.flag("forward", layer, out)
         return out
 
     def flag(self, where: str, layer: int, t: torch.Tensor) -> None:
-        ok = torch.isfinite(t).all()
+        ok = torch.isfinite(t.detach()).all()  # detached: autograd saves nothing for it
         key = (where, layer)
         self.finite[key] = self.finite[key] & ok if key in self.finite else ok
 
     def dispatch(
         self, tokens: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """The forward's dispatch, or the recompute's held against it."""
+        """The forward's dispatch, or the recompute's (held against the forward's when the
+        pass is checked); either one's handle goes into the layer's slot."""
+        self.calls[layer] = self.calls.get(layer, 0) + 1
         ledger = self.ledger
-        if not ledger.checking:
-            d = self.backend.dispatch(tokens, idx, weights.detach())
-            return d.recv_x, d.recv_topk_weights.float(), d.recv_topk_idx, d.handle
-        recorded = ledger.records.get(layer)
-        if recorded is not None and ledger.mode == "cached":
-            recv_x = self.backend.dispatch_cached(tokens, recorded.handle)
-            found = Fingerprint.of(
-                recv_x, recorded.recv_idx, recorded.recv_weights, recorded.fingerprint.per_expert
-            )
-            ledger.recompare(layer, found)
-            return recv_x, recorded.recv_weights, recorded.recv_idx, recorded.handle
+        if self.recomputing(layer) and ledger.mode == "cached":
+            handle, recv_idx, recv_w, per_expert = self.layouts[layer]
+            recv_x = self.backend.dispatch_cached(tokens, handle)
+            if ledger.checking:
+                ledger.recompare(layer, Fingerprint.of(recv_x, recv_idx, recv_w, per_expert))
+            return recv_x, recv_w, recv_idx, handle
         d = self.backend.dispatch(tokens, idx, weights.detach())
         recv_w = d.recv_topk_weights.float()
-        found = Fingerprint.of(d.recv_x, d.recv_topk_idx, recv_w, d.num_recv_per_expert)
-        if recorded is None:
-            ledger.records[layer] = Recorded(found, d.handle, d.recv_topk_idx, recv_w)
-        else:
-            ledger.recompare(layer, found)
+        self.handles[layer] = d.handle
+        if ledger.mode == "cached":
+            self.layouts[layer] = (d.handle, d.recv_topk_idx, recv_w, d.num_recv_per_expert)
+        if ledger.checking:
+            found = Fingerprint.of(d.recv_x, d.recv_topk_idx, recv_w, d.num_recv_per_expert)
+            if self.recomputing(layer):
+                ledger.recompare(layer, found)
+            else:
+                ledger.record(layer, found)
         return d.recv_x, recv_w, d.recv_topk_idx, d.handle
+
+    def handle_of(self, layer: int, last: bool = False) -> Any:
+        """The handle of the layer's latest dispatch; ``last``: its backward is done with it."""
+        if last:
+            self.layouts.pop(layer, None)
+            return self.handles.pop(layer)
+        return self.handles[layer]
 
 
 class _Dispatch(torch.autograd.Function):
     """dispatch: rows and top-k weights to the experts' ranks; backward: both gradients back
-    through the backend's combine (``dispatch_backward_with_weights``)."""
+    through the backend's combine (``dispatch_backward_with_weights``), along the handle of the
+    layer's latest dispatch (the recompute's under checkpointing)."""
 
     @staticmethod
     def forward(ctx, tokens, weights, idx, exchange, layer):  # type: ignore[override]
         recv_x, recv_w, recv_idx, handle = exchange.dispatch(tokens, weights, idx, layer)
-        ctx.exchange, ctx.handle, ctx.layer = exchange, handle, layer
+        ctx.exchange, ctx.layer = exchange, layer
         ctx.weights_shape = tuple(recv_w.shape)
         ctx.mark_non_differentiable(recv_idx)
         return recv_x, recv_w, recv_idx, handle
@@ -204,7 +132,7 @@ class _Dispatch(torch.autograd.Function):
         if grad_w is None:  # the weights reached no expert here: nothing flows back for them
             grad_w = torch.zeros(ctx.weights_shape, dtype=torch.float32, device=grad_x.device)
         grad_tokens, grad_weights = exchange.backend.dispatch_backward_with_weights(
-            grad_x.contiguous(), grad_w.float().contiguous(), ctx.handle
+            grad_x.contiguous(), grad_w.float().contiguous(), exchange.handle_of(ctx.layer, True)
         )
         exchange.flag("backward", ctx.layer, grad_tokens)
         return grad_tokens, grad_weights, None, None, None
@@ -212,17 +140,29 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     """combine: the experts' rows summed back onto their tokens; backward: the tokens'
-    gradients copied back to every row (``combine_backward``)."""
+    gradients copied back to every row (``combine_backward``) along the handle of the layer's
+    latest dispatch.
+
+    It saves an empty marker so that, under checkpointing, its backward unpacks a recomputed
+    tensor first: the layer is then recomputed (and its slot holds the recompute's handle)
+    before the handle is read. In the recompute it combines nothing: checkpointing keeps the
+    forward's output, and the backward needs none of the recompute's."""
 
     @staticmethod
-    def forward(ctx, rows, exchange, handle, layer):  # type: ignore[override]
-        ctx.exchange, ctx.handle = exchange, handle
+    def forward(ctx, rows, exchange, handle, layer, tokens):  # type: ignore[override]
+        ctx.save_for_backward(rows.new_empty(0))
+        ctx.exchange, ctx.layer = exchange, layer
+        if exchange.recomputing(layer):
+            return rows.new_zeros((tokens, rows.shape[1]))
         return exchange.backend.combine(rows, handle)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        ctx.saved_tensors  # noqa: B018 - unpacking it runs the layer's recompute first
+        handle = ctx.exchange.handle_of(ctx.layer)
         return (
-            ctx.exchange.backend.combine_backward(grad.contiguous(), ctx.handle),
+            ctx.exchange.backend.combine_backward(grad.contiguous(), handle),
+            None,
             None,
             None,
             None,

@@ -65,6 +65,16 @@ def meta(options: TrainOptions, sizes: dict[str, int]) -> dict[str, Any]:
         "training": {
             "checkpoint": options.checkpoint,
             "recompute": options.recompute if options.checkpoint else None,
+            # Whose handle the backward of a recomputed layer uses: the recompute's dispatch's
+            # (as a reentrant recompute), or the forward's (--recompute cached dispatches
+            # along it).
+            "backward_handle": (
+                None
+                if not options.checkpoint
+                else "forward's"
+                if options.recompute == "cached"
+                else "recompute's"
+            ),
             "lr": lr_for(sizes["hidden"], options.lr),
             "te": options.te,
             "agreement_bound": agreement_bound(sizes["layers"]),
@@ -77,11 +87,17 @@ def header(sel: Selection, env: RankEnv, meta_: dict[str, Any]) -> list[str]:
     lines = header_lines(sel, env, meta_)
     shape, training = meta_.get("shape"), meta_.get("training")
     if shape and training:
-        ckpt = (
-            f"checkpointing on (non-reentrant), recompute by {training['recompute']}"
-            if training["checkpoint"]
-            else "checkpointing off"
-        )
+        if not training["checkpoint"]:
+            ckpt = "checkpointing off"
+        elif training["recompute"] == "cached":
+            ckpt = (
+                "checkpointing on (non-reentrant), recompute by cached dispatch (forward's handle)"
+            )
+        else:
+            ckpt = (
+                "checkpointing on (non-reentrant), recompute by dispatch, its handle used by the "
+                "backward (as a reentrant recompute)"
+            )
         lines.append(
             f"{shape['layers']} MoE layers, {shape['steps']} steps of {shape['tokens']} tokens "
             f"({shape['seq']}-token sequences, {shape['heads']} heads), AdamW lr "
@@ -104,9 +120,20 @@ def numbers(steps: list[Any]) -> dict[str, Any]:
         if phases:
             out[key] = phases
     speed = by_name.get("speed", {})
-    for key in ("speedup", "backend_tokens_per_second", "fallback_tokens_per_second", "label"):
+    for key in (
+        "speedup",
+        "backend_step_seconds",
+        "fallback_step_seconds",
+        "backend_tokens_per_second",
+        "fallback_tokens_per_second",
+        "label",
+    ):
         if key in speed:
             out[key] = speed[key]
+    recompute = by_name.get("recompute", {})
+    for key in ("findings", "frameworks"):
+        if key in recompute:
+            out[f"recompute_{key}"] = recompute[key]
     agreement = by_name.get("agreement", {})
     for key in ("bound", "max_loss_rel_diff", "max_grad_norm_rel_diff", "max_grad_rel_diff"):
         if key in agreement:

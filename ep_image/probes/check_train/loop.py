@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ep_image.probes import _supervise
-from ep_image.probes.check_train.exchange import RecomputeMismatch
 from ep_image.probes.check_train.model import ModelShape, MoETransformer, batch_of
+from ep_image.probes.check_train.recompute import RecomputeMismatch
+from ep_image.probes.check_train.types import SPEED_PAIRS, SPEED_WARMUP_PAIRS
 
 
 @dataclasses.dataclass
@@ -66,6 +67,9 @@ class PhaseResult:
 
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
     mismatch: str | None = None  # a recompute that got other rows (RecomputeMismatch)
+    #: Both exchanges' step times measured alike (:func:`time_alike`); None where the
+    #: backend's training ended early.
+    timing: dict[str, Any] | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -232,14 +236,15 @@ def train_backend(
     result = PhaseResult()
     for step in range(phase.steps):
         moe.finite.clear()
-        moe.ledger.begin(step, checking=checkpointed)
+        moe.begin(step, checking=checkpointed)
         start = _begin(phase, f"backend step {step}")
         try:
             loss = trainer.forward_backward(step, moe, checkpointed)
+            seconds = _since(phase, start)
+            moe.ledger.settle()  # the recomputes' hashes: one host sync, after the timed part
         except RecomputeMismatch as exc:
             result.mismatch = str(exc)
             return result
-        seconds = _since(phase, start)
         peak = peak_bytes(phase)
         nonfinite = _finite_problems(moe.finite, step)
         dense, own = trainer.gradient()
@@ -251,7 +256,7 @@ def train_backend(
         for name, exchange in refs:
             _supervise.progress.update(scenario=f"backend step {step}: {name} at its weights")
             if exchange is moe:
-                moe.ledger.begin(step, checking=False)
+                moe.begin(step, checking=False)
             ref_loss = trainer.forward_backward(step, exchange, False)
             ref_dense, ref_own = trainer.gradient()
             ref_sq = trainer.norm_sq(ref_dense, ref_own)
@@ -275,7 +280,44 @@ def train_backend(
         record.references = references
         record.nonfinite += _not_finite(step, loss, norm)
         result.steps.append(record)
+    result.timing = time_alike(trainer, moe, fallback, checkpointed)
     return result
+
+
+def time_alike(trainer: Trainer, moe: Any, fallback: Any, checkpointed: bool) -> dict[str, Any]:
+    """Both exchanges' step times, measured alike: whole training steps (forward, backward,
+    the gradients' sum, AdamW) of one model on the same batches, the backend's and the
+    fallback's in turn, which goes first swapped every pair, after the same warm-up pairs,
+    the recompute unchecked. The trajectories' own step times are not alike: the first phase
+    of a process warms up over several steps (the fallback's, at one rank on an H200: 208 ms at
+    its second step, 91 ms at its sixth, where the backend's ran at 98 to 86 ms: "1.38x" for
+    the same exchange), and the backend's steps carry the probe's checks."""
+    phase = trainer.phase
+    seconds: dict[str, list[float]] = {"backend": [], "fallback": []}
+    first: list[str] = []
+    for i in range(SPEED_WARMUP_PAIRS + SPEED_PAIRS):
+        step = phase.steps + i
+        pair = [("backend", moe), ("fallback", fallback)]
+        if i % 2:
+            pair.reverse()
+        for name, exchange in pair:
+            if exchange is moe:
+                moe.begin(step, checking=False)
+            start = _begin(phase, f"speed: {name}, pair {i}")
+            trainer.forward_backward(step, exchange, checkpointed)
+            trainer.optimizer.step()
+            took = _since(phase, start)
+            if i >= SPEED_WARMUP_PAIRS:
+                seconds[name].append(took)
+        if i >= SPEED_WARMUP_PAIRS:
+            first.append(pair[0][0])
+    return {
+        "warmup_pairs": SPEED_WARMUP_PAIRS,
+        "pairs": SPEED_PAIRS,
+        "first": first,
+        "backend_seconds": [round(t, 6) for t in seconds["backend"]],
+        "fallback_seconds": [round(t, 6) for t in seconds["fallback"]],
+    }
 
 
 def peak_bytes(phase: Phase) -> int | None:

@@ -21,10 +21,11 @@ from ep_image.probes.check_ep.ranks import ONE_RANK_LABEL, SHARED_GPU_LABEL, Run
 from ep_image.probes.check_ep.steps import begin, guarded, run_gate, run_gates
 from ep_image.probes.check_ep.types import Selection, Shape, not_run
 from ep_image.probes.check_train import loop, verdicts
-from ep_image.probes.check_train.exchange import BackendExchange, FallbackExchange, RecomputeLedger
+from ep_image.probes.check_train.exchange import BackendExchange, FallbackExchange
 from ep_image.probes.check_train.kind import model_sizes
 from ep_image.probes.check_train.layers import step_model
 from ep_image.probes.check_train.model import ModelShape
+from ep_image.probes.check_train.recompute import RecomputeLedger
 from ep_image.probes.check_train.types import STEP_NAMES, TrainOptions, lr_for
 
 
@@ -90,7 +91,9 @@ def run_steps(
     verdict_steps: list[tuple[str, Callable[[], Step]]] = [
         (
             "recompute",
-            lambda: verdicts.step_recompute(backend_result, layers, checkpointed, ledger.checks),
+            lambda: verdicts.step_recompute(
+                backend_result, layers, checkpointed, ledger.checks, options.recompute
+            ),
         ),
         ("agreement", lambda: verdicts.step_agreement(backend_result, fallback_result, layers)),
         ("memory", lambda: verdicts.step_memory(backend_result, fallback_result)),

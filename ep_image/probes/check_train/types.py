@@ -87,6 +87,38 @@ def trajectory_bound(layers: int, step: int) -> float:
     return agreement_bound(layers) * (step + 1)
 
 
+#: What a recompute's dispatch can find against its forward's, from harmless to worst. The
+#: first three are the same rows: a backend may return them so (the rows "in any order"), and
+#: the backward is right when each layer's handle follows its rows.
+FINDINGS = (
+    "same",
+    "reordered",
+    "slots",
+    "weights",
+    "experts",
+    "token_rows",
+    "counts",
+    "rows",
+)
+LEGAL = frozenset(FINDINGS[:3])
+
+#: Each finding as the recompute step says it ("the recompute's dispatch returned ...").
+FINDING_TEXT = {
+    "same": "the rows of its forward in its forward's order",
+    "reordered": "the rows of its forward in another order",
+    "slots": "the same rows, top-k slots inside rows in another order",
+    "weights": "the same rows and experts with other weights (bits)",
+    "experts": "the same token rows routed to other experts",
+    "token_rows": "other token rows",
+    "counts": "other counts per expert than its forward",
+    "rows": "{found} rows where its forward got {was}",
+}
+
+#: The speed's protocol (``loop.time_alike``): pairs of steps, one the backend's and one the
+#: fallback's, first untimed to warm up, then timed.
+SPEED_WARMUP_PAIRS = 2
+SPEED_PAIRS = 6
+
 #: AdamW's default learning rate times the hidden size: 1e-2 at hidden 64 (the CPU model).
 LR_TIMES_HIDDEN = 0.64
 

@@ -14,8 +14,10 @@ from typing import Any
 
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_train.types import (
+    FINDINGS,
     LEAK_BYTES,
     LEAK_STEPS,
+    LEGAL,
     agreement_bound,
     trajectory_bound,
 )
@@ -23,6 +25,13 @@ from ep_image.probes.check_train.types import (
 #: The loss must fall this far over the run (last step's against the first's) to count as
 #: learning: the task is learnable, so a training that does not reach it is broken.
 MIN_FALL = 0.1
+
+MIXED_LAYOUTS_FIX = (
+    "the backend's handle must take the rows its dispatch returned back where they came from "
+    "(the combine and dispatch's backward along the recompute's handle got the recompute's "
+    "rows); until it does, recompute along the forward's layout (--recompute cached) or turn "
+    "off activation checkpointing around its MoE layers"
+)
 
 RECOMPUTE_FIX = (
     "turn off activation checkpointing around this backend's MoE layers, or recompute them "
@@ -148,19 +157,110 @@ def _over(result: Any, name: str, bound: float) -> list[str]:
     return found
 
 
-def step_recompute(result: Any, layers: int, checkpointed: bool, checks: list[dict]) -> Step:
+def tally(checks: list[dict[str, Any]]) -> dict[str, int]:
+    """How many recomputes found each of :data:`FINDINGS`."""
+    counts = dict.fromkeys(FINDINGS, 0)
+    for check in checks:
+        counts[check["found"]] += 1
+    return counts
+
+
+#: The recomputes a framework may use with a backend (``steps[recompute].data.frameworks``):
+#: dispatching again with the handle recomputed alongside the rows (a reentrant recompute,
+#: Megatron's); pairing the forward's handle, kept on the autograd node, with the recomputed
+#: rows (torch's non-reentrant checkpoint around an ``autograd.Function`` that keeps its
+#: handle in ``ctx``); a cached dispatch along the forward's handle.
+FRAMEWORK_RECOMPUTES = (
+    "dispatch_with_its_handle",
+    "dispatch_with_forward_handle",
+    "cached_dispatch",
+)
+
+
+def frameworks(mode: str, found: dict[str, int], right: bool) -> tuple[dict[str, str], str]:
+    """Which recompute a framework can use with this backend ("yes", "no", "not run"), from
+    what the recomputes found and whether the gradients with checkpointing were ``right``, and
+    the sentence that says so."""
+    if mode == "cached":
+        cached = "yes" if right else "no"
+        return (
+            {
+                "dispatch_with_its_handle": "not run",
+                "dispatch_with_forward_handle": "not run",
+                "cached_dispatch": cached,
+            },
+            f"a cached dispatch along the forward's handle: {cached}; a recompute that "
+            "dispatches again: not run (--recompute dispatch checks it)",
+        )
+    illegal = [k for k in FINDINGS if k not in LEGAL and found[k]]
+    moved = found["reordered"] + found["slots"]
+    own = "yes" if right and not illegal else "no"
+    forward = "yes" if own == "yes" and not moved else "no"
+    verdict = {
+        "dispatch_with_its_handle": own,
+        "dispatch_with_forward_handle": forward,
+        "cached_dispatch": "not run",
+    }
+    if forward == "yes":
+        text = (
+            "any recompute by dispatch: it returns its forward's rows in its forward's order "
+            "(with the handle recomputed beside them, or the forward's kept on the autograd node)"
+        )
+    elif own == "yes":
+        text = (
+            "a recompute that dispatches again and uses the handle it returned (reentrant, as "
+            "Megatron's); not the forward's handle kept on the autograd node (torch's "
+            "non-reentrant checkpoint around it): the rows come in another order, so such a "
+            "framework must recompute along the forward's layout (--recompute cached checks it)"
+        )
+    else:
+        text = (
+            "no recompute by dispatch: turn off checkpointing around the MoE layers or "
+            "recompute along the forward's layout (--recompute cached checks it)"
+        )
+    return verdict, text
+
+
+def _moved_text(found: dict[str, int], total: int) -> str:
+    """How many recomputes got their forward's rows in another order or with other slots."""
+    parts = []
+    if found["reordered"]:
+        parts.append(f"{found['reordered']} of {total} in another order")
+    if found["slots"]:
+        parts.append(f"{found['slots']} of {total} with top-k slots inside rows in another order")
+    return " and ".join(parts)
+
+
+def step_recompute(
+    result: Any, layers: int, checkpointed: bool, checks: list[dict], mode: str = "dispatch"
+) -> Step:
     with timed_step("recompute") as step:
         if not checkpointed:
             step.status = Status.NOT_RUN
             step.detail = "not run: --no-checkpoint"
             return step
         bound = agreement_bound(layers)
-        step.data = {"recomputes": checks, "bound": bound}
+        found = tally(checks)
+        step.data = {"recomputes": checks, "findings": found, "mode": mode, "bound": bound}
+        moved = found["reordered"] + found["slots"]
         if result.mismatch:
+            step.data["frameworks"], step.data["verdict"] = frameworks(mode, found, False)
             raise StepFailed(Status.FAIL, result.mismatch, RECOMPUTE_FIX, step.data)
         problems = _over(result, "no_checkpoint", bound)
         for key, _ in _MEASURES:
             step.data[f"max_{key}"] = _worst(result, "no_checkpoint", key)[0]
+        step.data["frameworks"], step.data["verdict"] = frameworks(mode, found, not problems)
+        if problems and moved:
+            raise StepFailed(
+                Status.FAIL,
+                f"the recomputes' dispatches returned their forwards' rows "
+                f"({_moved_text(found, len(checks))}), and the backward along the recompute's "
+                "handle differs from the backend's own step without checkpointing at the same "
+                "weights and batch: " + "; ".join(problems) + ": its handle does not follow "
+                "the rows it returned (the backward mixes two layouts)",
+                MIXED_LAYOUTS_FIX,
+                step.data,
+            )
         if problems:
             raise StepFailed(
                 Status.FAIL,
@@ -171,14 +271,26 @@ def step_recompute(result: Any, layers: int, checkpointed: bool, checks: list[di
                 step.data,
             )
         exact = all(step.data[f"max_{k}"] == 0.0 for k, _ in _MEASURES)
-        step.detail = (
-            f"{len(checks)} recomputed dispatches got their forward's rows bit for bit; "
-            "checkpointing on and off: "
-            + (
-                "losses and gradients bit-identical"
-                if exact
-                else f"within {bound:.3g} (gradient {step.data['max_grad_rel']:.2g})"
+        same = (
+            "losses and gradients bit-identical"
+            if exact
+            else f"within {bound:.3g} (gradient {step.data['max_grad_rel']:.2g})"
+        )
+        if not moved:
+            what = f"{len(checks)} recomputed dispatches got their forward's rows bit for bit"
+        else:
+            what = (
+                f"{len(checks)} recomputed dispatches got their forward's rows, reordered "
+                f"({_moved_text(found, len(checks))}): the backward along each recompute's "
+                "handle is right"
             )
+        usable = step.data["frameworks"]
+        step.detail = (
+            f"{what}; checkpointing on and off: {same}; recompute with its own handle: "
+            f"{usable['dispatch_with_its_handle']}, with the forward's handle: "
+            f"{usable['dispatch_with_forward_handle']}"
+            if mode == "dispatch"
+            else f"{what}; checkpointing on and off: {same}"
         )
     return step
 
@@ -292,24 +404,42 @@ def step_memory(backend: Any, fallback: Any) -> Step:
 
 
 def step_speed(backend: Any, fallback: Any, tokens: int, label: str, reference: bool) -> Step:
+    """The backend's step time against the fallback's, measured alike (``loop.time_alike``):
+    the medians of each one's timed steps and the median of the pairs' ratios."""
     with timed_step("speed") as step:
         step.status = Status.INFO
-        if not backend.steps or not fallback.steps:
-            step.detail = "no timed step"
-            return step
-        b, f = median_seconds(backend.steps), median_seconds(fallback.steps)
-        speedup = f / b if b else 0.0
-        step.data = {
-            "backend_step_seconds": b,
-            "fallback_step_seconds": f,
-            "backend_tokens_per_second": tokens / b if b else None,
-            "fallback_tokens_per_second": tokens / f if f else None,
-            "speedup": speedup,
-            "label": label,
+        timing = backend.timing
+        trajectories = {
+            name: median_seconds(result.steps)
+            for name, result in (("backend", backend), ("fallback", fallback))
+            if result.steps
         }
+        step.data = {"trajectory_median_step_seconds": trajectories, "label": label}
+        if not timing or not timing["backend_seconds"]:
+            step.detail = "not timed: the backend's training ended before its last step"
+            return step
+        b = statistics.median(timing["backend_seconds"])
+        f = statistics.median(timing["fallback_seconds"])
+        ratios = [
+            fs / bs
+            for bs, fs in zip(timing["backend_seconds"], timing["fallback_seconds"], strict=True)
+            if bs
+        ]
+        speedup = statistics.median(ratios) if ratios else 0.0
+        step.data.update(
+            {
+                "backend_step_seconds": b,
+                "fallback_step_seconds": f,
+                "backend_tokens_per_second": tokens / b if b else None,
+                "fallback_tokens_per_second": tokens / f if f else None,
+                "speedup": speedup,
+                "protocol": timing,
+            }
+        )
         text = (
             f"backend {b * 1e3:.1f} ms/step ({tokens / b:,.0f} tokens/s), all-gather fallback "
-            f"{f * 1e3:.1f} ms/step ({tokens / f:,.0f} tokens/s): {speedup:.2f}x"
+            f"{f * 1e3:.1f} ms/step ({tokens / f:,.0f} tokens/s): {speedup:.2f}x over "
+            f"{timing['pairs']} pairs of steps taken in turn"
         )
         if label:
             text += f" ({label})"
