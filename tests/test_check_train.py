@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -333,7 +334,23 @@ def test_a_recompute_with_other_rows_counts_or_weights_is_named(
         (["--steps", "1"], "--steps must be at least 2"),
         (["--all-backends", "--backend", "torch"], "--all-backends runs every backend"),
         (["--prefix", "/opt/venvs"], "--prefix is where --all-backends looks"),
-        (["--lr", "0"], "--lr must be positive"),
+        (["--lr", "0"], "--lr must be a positive finite number, got 0"),
+        # Inputs that cannot train were blamed on the backend: exit 1 "where the fallback does
+        # not" (inf, 1e10: the fallback diverged too), exit 3 from AdamW's RuntimeError (1e300),
+        # "the backend's gradients are wrong" (--tokens 1).
+        (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+        (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+        (["--lr", "1e10"], "--lr 1e+10 is above 1: Adam moves every weight"),
+        (["--lr", "1e300"], "--lr 1e+300 is above 1"),
+        (["--tokens", "1"], "--tokens 1 is too few to train on: the run must show the model"),
+        (
+            ["--tokens", "2", "--experts", "16"],
+            "--tokens 2 is too few to train on: each step's 2 x --tokens x top-2 slots must "
+            "reach every one of the 16 experts (else some never get a token to train on), so "
+            "at least 4 per rank here",
+        ),
+        # 0 ranks meant one, silently.
+        (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
         (["--hidden", "66", "--heads", "4"], "--hidden 66 is not divisible by --heads 4"),
     ],
 )
@@ -341,13 +358,34 @@ def test_bad_usage_is_one_line_before_any_rank_starts(
     tmp_path: Path, args: list[str], says: str
 ) -> None:
     start = time.monotonic()
-    probe, _ = run(tmp_path, "--backend", "torch", *args)
+    nproc = 0 if "--nproc-per-node" in args else 2
+    probe, _ = run(tmp_path, "--backend", "torch", *args, nproc=nproc)
     assert probe.proc.returncode == 2, probe.output
     lines = probe.proc.stderr.strip().splitlines()
     assert lines == [lines[0]] and lines[0].startswith("check_train: usage error: "), lines
     assert says in lines[0]
     assert probe.report is None
     assert time.monotonic() - start < 30
+
+
+def test_settings_the_fallback_cannot_train_with_are_not_the_backends_fault(
+    tmp_path: Path,
+) -> None:
+    """A rate at the bound diverges with any exchange (the CPU model's loss 4.9 -> 34): the
+    fallback says the model did not train with these settings and the backend is not judged
+    (before: "the backend's gradients are wrong", exit 1, beside the fallback's own fail)."""
+    probe, _ = run(tmp_path, "--backend", "torch", *SMALL_SHAPE, "--lr", "1", nproc=1)
+    assert probe.proc.returncode == 1, probe.output
+    fallback = step(probe.report, "fallback")
+    assert fallback["status"] == "fail"
+    assert fallback["detail"].startswith(verdicts.DID_NOT_TRAIN), fallback["detail"]
+    assert "the backend is not judged" in fallback["detail"]
+    assert fallback["hint"].startswith("not the backend's doing")
+    after = STEP_NAMES[STEP_NAMES.index("fallback") + 1 :]
+    assert {n: statuses(probe.report)[n] for n in after} == dict.fromkeys(after, "not run")
+    assert step(probe.report, "train")["detail"] == verdicts.NOT_JUDGED
+    assert "gradients are wrong" not in probe.output
+    assert "where the fallback does not" not in probe.output
 
 
 def _venv_like(prefix: Path, name: str) -> None:
@@ -409,6 +447,123 @@ def test_all_backends_without_venvs_names_the_prefix(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith(f"check_train: error: no backend venv under {tmp_path} (looked")
     assert lines[-1].startswith("check_train: fix: give --prefix (or EP_PREFIX)")
+
+
+#: Fake venvs' pythons, by what they do: each a shell script that ignores its arguments.
+_FAKE_PYTHONS = {
+    # Hangs with a child of its own (not exec: the group, not just the script, must go).
+    "hangs": 'echo $$ > "{pids}/{name}.sh"; sleep 1000 & echo $! > "{pids}/{name}.sleep"; wait',
+    "segfaults": "ulimit -c 0; kill -SEGV $$",
+    "exits 7": "exit 7",
+}
+
+
+def _fake_venvs(tmp_path: Path, behaviour: dict[str, str]) -> tuple[Path, Path]:
+    """A prefix whose backend venvs' bin/python do what ``behaviour`` says; where the hanging
+    ones write their pids."""
+    prefix, pids = tmp_path / "venvs", tmp_path / "pids"
+    pids.mkdir()
+    for name, what in behaviour.items():
+        python = prefix / name / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text("#!/bin/sh\n" + _FAKE_PYTHONS[what].format(pids=pids, name=name) + "\n")
+        python.chmod(0o755)
+    return prefix, pids
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rfind(")") + 2 :][:1] not in ("Z", "X")
+
+
+def _launcher_env(tmp_path: Path) -> dict[str, str]:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    return child_env(clean_env(TMPDIR=str(tmpdir)))
+
+
+def test_all_backends_bounds_each_run_and_names_how_it_ended(tmp_path: Path) -> None:
+    """A venv whose python hangs was waited on forever (with --timeout 10, 90 s and
+    counting); one that crashed read "no report". Each run now has a deadline (--timeout for
+    each of its steps and its start: 0.25 s x 12 here), is stopped with what it started, and
+    its row says how it ended; the temporary directory goes too."""
+    prefix, pids = _fake_venvs(
+        tmp_path, {"deepep_v1": "hangs", "deepep_v2": "segfaults", "hybridep": "exits 7"}
+    )
+    env = _launcher_env(tmp_path)
+    report = tmp_path / "out" / "train.json"
+    flags = ["--all-backends", "--prefix", str(prefix), "--device", "cpu", "--timeout", "0.25"]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, FRONT_DOOR, *flags, "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out
+    assert took < 60, f"{took:.0f} s"
+    table = proc.stdout[proc.stdout.index("check_train --all-backends") :]
+    deadline = "the deadline, 3 s: --timeout 0.25 s x 12"
+    assert re.search(rf"deepep_v1 +timed out .*\n +timed out after 3 s \({deadline}\)", table)
+    assert re.search(r"deepep_v2 +crashed .*\n +killed by SIGSEGV without a report", table)
+    assert re.search(r"hybridep +no report .*\n +exited 7 without a report", table)
+    data = json.loads(report.read_text())
+    assert data["deadline_seconds"] == 3
+    assert [(r["exit_code"], r["returncode"]) for r in data["runs"]][1:] == [(3, -11), (3, 7)]
+    assert data["runs"][0]["exit_code"] == 3 and data["runs"][0]["seconds"] < 30
+    for name in ("sh", "sleep"):
+        pid = int((pids / f"deepep_v1.{name}").read_text())
+        assert not _alive(pid), f"the hanging run's {name} (pid {pid}) outlived its deadline"
+    assert list(Path(env["TMPDIR"]).iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_nothing_outlives_the_all_backends_launcher(tmp_path: Path, how: str) -> None:
+    """The launcher stopped (SIGTERM, Ctrl-C) or killed (SIGKILL) while a venv's python
+    hangs: that python, what it started and the launcher's temporary directory go with it
+    (before: all three stayed)."""
+    prefix, pids = _fake_venvs(tmp_path, {"deepep_v1": "hangs"})
+    env = _launcher_env(tmp_path)
+    log = (tmp_path / "launcher.log").open("w")
+    launcher = subprocess.Popen(
+        [sys.executable, FRONT_DOOR, "--all-backends", "--prefix", str(prefix), "--device", "cpu"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids / "deepep_v1.sleep").exists():
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()
+            assert time.monotonic() < deadline, "the hanging venv never started"
+            time.sleep(0.05)
+        assert list(Path(env["TMPDIR"]).glob("check_train-all-*"))
+        sh, sleep = (int((pids / f"deepep_v1.{n}").read_text()) for n in ("sh", "sleep"))
+        launcher.send_signal(getattr(signal, how))
+        code = launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        log.close()
+    said = (tmp_path / "launcher.log").read_text()
+    assert code == {"SIGKILL": -9, "SIGTERM": 143, "SIGINT": 130}[how], said
+    deadline = time.monotonic() + 10
+    while (_alive(sh) or _alive(sleep)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(sh) and not _alive(sleep), f"the venv's python outlived the launcher: {said}"
+    while list(Path(env["TMPDIR"]).iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(Path(env["TMPDIR"]).iterdir()) == [], "the launcher's temporary directory stayed"
 
 
 def test_te_on_without_te_is_missing(tmp_path: Path) -> None:

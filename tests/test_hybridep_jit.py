@@ -801,7 +801,9 @@ def test_another_users_jit_directory_is_never_loaded_from(tmp_path: Path):
                     "reason": cache.reason,
                     "warnings": [str(w.message) for w in caught],
                     "dir": str(cache.jit_dir),
+                    "refused": cache.refused_dir,
                 }
+                cache.close(publish=False)
                 status = 0
             except BaseException:
                 result = {"error": traceback.format_exc()}
@@ -820,10 +822,116 @@ def test_another_users_jit_directory_is_never_loaded_from(tmp_path: Path):
             result = json.loads(fh.read())
         os.waitpid(pid, 0)
         assert "error" not in result, result.get("error")
-        assert result["dir"] == str(planted)
+        assert result["refused"] == str(planted)
+        assert result["dir"] != str(planted), "HybridEP would compile where another user writes"
         assert result["load"] is False, "HybridEP would load the planted kernel"
         assert "uid 4242" in result["reason"] or "others can write" in result["reason"], result
         assert "HYBRID_EP_CACHE_DIR" in result["reason"], result["reason"]
         assert len(result["warnings"]) == 1, result["warnings"]
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+# ---- a jit directory another user can move aside ---------------------------------------------
+
+#: Where another user gets in, by case: the directory they can write (or own) on the way from
+#: HYBRID_EP_CACHE_DIR's parent down to proc-<pid>, its mode, and whether nobody owns it.
+_OPEN_JIT_CHAINS = {
+    "base 0777 owned by nobody": ("base", 0o777, True),
+    "base 0777": ("base", 0o777, False),
+    "base owned by nobody": ("base", 0o755, True),
+    ".deepep 0777": (".deepep", 0o777, False),
+    "parent of base 0777": ("parent", 0o777, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_OPEN_JIT_CHAINS))
+def test_a_jit_directory_another_user_can_move_aside_is_refused(
+    open_dir: Path, kernels: dict[str, Path], case: str
+):
+    """HYBRID_EP_CACHE_DIR in a directory another user can write without the sticky bit (or
+    owns): they can rename the directory holding proc-<pid> aside and build their own, kernel
+    included, in its place; before, prepare said "on" and loaded cached kernels with no
+    warning. Every directory from the base's parent down is checked: the cache is off, one
+    warning names the directory and the fix, and HybridEP is pointed (HYBRID_EP_CACHE_DIR) at
+    a directory of this process's own, where the planted kernel is not; close() removes it and
+    puts the variable back."""
+    where, mode, nobody = _OPEN_JIT_CHAINS[case]
+    if nobody and os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    install = make_install(open_dir / "install", cache=open_dir / "cache", jit_home=open_dir)
+    for path in open_dir.rglob("*"):
+        if path.is_dir():
+            path.chmod(0o755)
+    install.run(compile={K_PRE: kernels[K_PRE]})  # a published kernel the cache would load
+    parent = open_dir / "scratch"
+    base = parent / "base"
+    (base / ".deepep").mkdir(parents=True)
+    parent.chmod(0o755)
+    base.chmod(0o755)
+    (base / ".deepep").chmod(0o755)
+    opened = {"parent": parent, "base": base, ".deepep": base / ".deepep"}[where]
+    opened.chmod(mode)
+    if nobody:
+        os.chown(opened, 65534, 65534)
+    install.env["HYBRID_EP_CACHE_DIR"] = str(base)
+    asked = proc_dirs.jit_dir(install.env)
+    before = os.environ.get("HYBRID_EP_CACHE_DIR")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = install.prepare()
+    try:
+        assert cache.state == "off" and cache.load_cached_kernels is False, cache.facts()
+        assert cache.refused_dir == str(asked)
+        private = cache.private_base
+        assert private is not None and not cache.jit_dir.is_relative_to(parent)
+        assert os.environ["HYBRID_EP_CACHE_DIR"] == str(private)
+        assert proc_dirs.jit_dir(os.environ) == cache.jit_dir, "not where HybridEP compiles"
+        assert proc_dirs.untrusted_chain(private, cache.jit_dir) is None
+        assert so_files(cache.jit_dir) == {}
+        (message,) = [str(w.message) for w in caught if "HybridEP JIT cache" in str(w.message)]
+        assert str(asked) in message and str(opened) in message, message
+        assert "Fix: set HYBRID_EP_CACHE_DIR" in message and "sticky" in message, message
+        assert cache.facts()["jit_dir_refused"] == str(asked)
+        assert install.prepare() is cache, "a second buffer shares the private directory"
+        cache.close(publish=False)  # that second user's: the directory stays
+        assert cache.jit_dir.is_dir()
+        if os.geteuid() == 0:
+            # What the warning is about, done for real by user nobody: the directory under
+            # the open one goes aside and a tree with a kernel takes its place.
+            victim = {"parent": base, "base": base / ".deepep", ".deepep": asked.parents[1]}[where]
+
+            def plant() -> dict[str, Any]:
+                os.rename(victim, victim.with_name(victim.name + ".aside"))
+                asked.mkdir(parents=True)
+                (asked / f"{K_PRE}.so").write_bytes(elf_kernel(b"planted" * 100))
+                return {}
+
+            _as_another_user(plant)
+            assert (asked / f"{K_PRE}.so").exists()
+            assert so_files(cache.jit_dir) == {}, "the planted kernel reached HybridEP"
+    finally:
+        cache.close(publish=False)
+    assert not private.exists()
+    assert os.environ.get("HYBRID_EP_CACHE_DIR") == before
+
+
+def test_a_sticky_shared_jit_base_is_used(open_dir: Path, kernels: dict[str, Path]):
+    """A base others can write but sticky (as /tmp, HybridEP's fallback): what is ours in it
+    stays ours, so the cache is on and HybridEP compiles where it always does."""
+    install = make_install(open_dir / "install", cache=open_dir / "cache", jit_home=open_dir)
+    for path in open_dir.rglob("*"):
+        if path.is_dir():
+            path.chmod(0o755)
+    install.run(compile={K_PRE: kernels[K_PRE]})
+    base = open_dir / "scratch"
+    base.mkdir()
+    base.chmod(0o1777)
+    install.env["HYBRID_EP_CACHE_DIR"] = str(base)
+    cache = install.prepare()
+    try:
+        assert cache.state == "on" and cache.load_cached_kernels is True, cache.reason
+        assert cache.jit_dir == proc_dirs.jit_dir(install.env) and cache.refused_dir is None
+        assert so_files(cache.jit_dir) == {f"{K_PRE}.so": kernels[K_PRE].read_bytes()}
+    finally:
+        cache.close(publish=False)

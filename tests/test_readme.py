@@ -384,6 +384,48 @@ def test_the_test_line_is_what_ci_runs() -> None:
     assert any(row.strip().startswith(line) for row in rows)
 
 
+#: The tests that failed after README's `uv sync --extra ncclep` and then its test line: each
+#: found NCCL EP where the dev environment has no backend.
+TESTS_A_BACKEND_BREAKS = (
+    "tests/test_check_env.py::test_no_deep_ep_here_is_null",
+    "tests/test_check_ep.py::test_torch_backend_bf16_under_torchrun",
+    "tests/test_check_fabric.py::test_this_machine_real_sys",
+)
+
+
+@pytest.mark.slow
+def test_the_test_line_runs_after_a_backend_was_synced(fresh: Path, tmp_path: Path) -> None:
+    """README's uv section syncs a backend into the project's environment (`uv sync --extra
+    ncclep`); its test line then ran the tests in that environment as left, and three failed
+    (NCCL EP picked or reported where none was expected). The test line's uv invocation makes
+    the environment exactly the dev group: here, in a throwaway project environment
+    (UV_PROJECT_ENVIRONMENT), those three pass right after the sync and the extra is gone."""
+    line = next(c for c in commands() if any(w[-1:] == ["pytest"] for w in simple_commands(c)))
+    words = shlex.split(line)
+    assert words[:2] == ["python3", "scripts/bootstrap.py"], line
+    uv_run = words[words.index("--") + 1 :]  # bootstrap.py's own flags apt-get: not here
+    env = tmp_path / "env"
+    prefix = f"set -e\nexport UV_PROJECT_ENVIRONMENT={shlex.quote(str(env))}\n"
+
+    def has_ncclep() -> bool:
+        return bool(list(env.glob("lib/python3*/site-packages/nccl_extensions-*.dist-info")))
+
+    proc = fresh_shell(
+        fresh, prefix + "python3 scripts/bootstrap.py -- uv sync --frozen --extra ncclep"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert has_ncclep(), "the sync did not install NCCL EP"
+    run = shlex.join(
+        ["python3", "scripts/bootstrap.py", "--", *uv_run, "-n0", *TESTS_A_BACKEND_BREAKS]
+    )
+    proc = fresh_shell(fresh, prefix + run)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    summary = [row for row in proc.stdout.splitlines() if row.startswith("=") and " in " in row]
+    assert summary and "passed" in summary[-1], proc.stdout[-3000:]
+    assert "failed" not in summary[-1] and "error" not in summary[-1], summary[-1]
+    assert not has_ncclep(), "the test line left the synced backend in place"
+
+
 def test_the_docker_lines_run_what_the_image_holds() -> None:
     """No Docker engine here: the resolver checks each docker line's Dockerfile, EP values,
     images and probe file; what makes `docker run IMAGE probes/check_ep.py` run is the image's

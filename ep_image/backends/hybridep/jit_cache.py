@@ -15,7 +15,9 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import stat
+import tempfile
 import threading
 import time
 import warnings
@@ -45,12 +47,16 @@ from ep_image.backends.hybridep.kernel_files import (
     write_record,
 )
 from ep_image.backends.hybridep.proc_dirs import (
+    BASE_ENV,
+    JIT_SUBDIR,
     MARKER,
     clean_stale,
+    jit_base,
     jit_dir,
     marker_for,
     read_marker,
     remove_tree,
+    untrusted_chain,
 )
 from ep_image.trust import untrusted, untrusted_cache, untrusted_stat
 
@@ -106,6 +112,12 @@ class JitCache:
     users: int = 1
     closed: bool = False
     ignored: int = 0
+    #: HybridEP's own jit directory when it was refused (another user could plant a kernel
+    #: there); ``jit_dir`` is then one made private to this process, under ``private_base``,
+    #: which HYBRID_EP_CACHE_DIR points at until ``close()`` (``base_before`` its value before).
+    refused_dir: str | None = None
+    private_base: Path | None = None
+    base_before: str | None = None
 
     @property
     def state(self) -> str:
@@ -255,9 +267,17 @@ class JitCache:
             return
         self.closed = True
         with _lock:
-            _open.pop((self.pid, str(self.jit_dir)), None)
+            for key in [key for key, cache in _open.items() if cache is self]:
+                del _open[key]
         if self.owns_dir:
             remove_tree(self.jit_dir)
+        if self.private_base is not None:
+            shutil.rmtree(self.private_base, ignore_errors=True)
+            if os.environ.get(BASE_ENV) == str(self.private_base):
+                if self.base_before is None:
+                    os.environ.pop(BASE_ENV, None)
+                else:
+                    os.environ[BASE_ENV] = self.base_before
 
     def close_at_exit(self) -> None:
         """The process ends: publish and remove, however many users are still open."""
@@ -274,6 +294,7 @@ class JitCache:
             "jit_cache_key": self.key,
             "jit_cache_key_material": self.key_material,
             "jit_dir": str(self.jit_dir),
+            "jit_dir_refused": self.refused_dir,
             "load_cached_kernels": self.load_cached_kernels,
             "jit_cache_files_before": self.files_before,
             "jit_cache_warm_started": len(self.warm_started),
@@ -319,11 +340,16 @@ def prepare(
     except Exception as exc:  # a cache must never take the job down with it
         cache.key_dir, cache.writable, cache.load_cached_kernels = None, False, False
         cache.reason = str(exc) if isinstance(exc, CacheOff) else f"{type(exc).__name__}: {exc}"
-        if root is not None:
+        if cache.refused_dir is not None:  # the reason says where it compiles instead
+            _warn(cache.reason)
+        elif root is not None:
             _warn(f"{cache.reason}; HybridEP compiles its kernels in this process")
     cache.seconds["prepare"] = round(time.monotonic() - started, 6)
     with _lock:
+        # Under the directory asked for and the one used (a private one after a refusal,
+        # which a later prepare() finds through HYBRID_EP_CACHE_DIR).
         _open[(cache.pid, str(directory))] = cache
+        _open[(cache.pid, str(cache.jit_dir))] = cache
     if at_exit:
         atexit.register(cache.close_at_exit)
     return cache
@@ -341,6 +367,58 @@ def _refuse_foreign(root: Path) -> None:
         raise CacheOff(f"{why}: its kernels could be anyone's. {_TRUST_FIX}")
 
 
+def _make_own(base: Path, directory: Path, pid: int) -> str | None:
+    """Make ``directory`` (HybridEP's proc-<pid> under ``base``) this process's, empty but for
+    its marker; or say why it cannot be trusted to hold only this process's kernels.
+
+    HybridEP loads from it: it must be this user's (or root's) and nobody else's to write, and
+    so must every directory above it up to ``base``'s parent (or sticky, for those holding the
+    next): anyone who can rename one of them can put their own tree, kernel included, in its
+    place. It must hold nothing left there by someone else (a directory another user made
+    first, in a shared HYBRID_EP_CACHE_DIR, cannot be removed here).
+    """
+    mine = marker_for(pid)
+    if read_marker(directory) != mine and directory.exists():
+        remove_tree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    why = untrusted_chain(base, directory)
+    left = sorted(set(os.listdir(directory)) - {MARKER}) if why is None else []
+    if why is None and left:
+        why = f"{directory} still holds {left[0]} (and {len(left) - 1} more), not this process's"
+    if why is None:
+        (directory / MARKER).write_text(json.dumps(mine) + "\n")
+    return why
+
+
+def _go_private(cache: JitCache) -> Path | None:
+    """Point HybridEP (HYBRID_EP_CACHE_DIR, read when a HybridEPBuffer is built) at a new
+    directory only this process's user can write, and make its proc-<pid> there; return that,
+    or None when no temporary directory gives a trusted one. ``close()`` undoes it."""
+    for where in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):
+        try:
+            base = Path(tempfile.mkdtemp(prefix="ep-hybridep-jit-", dir=where))
+        except OSError:
+            continue
+        directory = base
+        try:
+            for part in (*JIT_SUBDIR.parts, f"proc-{cache.pid}"):
+                directory = directory / part
+                os.mkdir(directory, 0o700)  # not os.makedirs: its parents ignore the mode
+            why = untrusted_chain(base, directory)
+            if why is None:
+                (directory / MARKER).write_text(json.dumps(marker_for(cache.pid)) + "\n")
+        except OSError as exc:
+            why = str(exc)
+        if why is not None:
+            shutil.rmtree(base, ignore_errors=True)
+            continue
+        cache.base_before = os.environ.get(BASE_ENV)
+        os.environ[BASE_ENV] = str(base)
+        cache.private_base, cache.jit_dir, cache.owns_dir = base, directory, True
+        return directory
+    return None
+
+
 def _prepare(
     cache: JitCache,
     env: Mapping[str, str],
@@ -350,23 +428,20 @@ def _prepare(
     # This process's directory first: whatever happens to the shared cache, it must not hold
     # kernels a dead process with the same pid left (containers reuse small pids).
     directory = cache.jit_dir
-    mine = marker_for(cache.pid)
-    if read_marker(directory) != mine and directory.exists():
-        remove_tree(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    # HybridEP loads from this directory: it must be this user's (or root's) and nobody else's
-    # to write, and hold nothing left there by someone else (a directory another user made
-    # first, in a shared HYBRID_EP_CACHE_DIR, cannot be removed here).
-    why = untrusted_cache(directory)
-    left = sorted(set(os.listdir(directory)) - {MARKER}) if why is None else []
-    if why is None and left:
-        why = f"{directory} still holds {left[0]} (and {len(left) - 1} more), not this process's"
+    why = _make_own(jit_base(env), directory, cache.pid)
     if why is not None:
-        raise CacheOff(
-            f"HybridEP's own jit directory is not safe to load kernels from: {why}. Fix: set "
-            "HYBRID_EP_CACHE_DIR to a directory only you (or root) can write"
+        cache.refused_dir = str(directory)
+        private = _go_private(cache)
+        instead = (
+            f"HybridEP compiles in {private} instead, a directory of this process's own"
+            if private is not None
+            else "no private directory could be made (TMPDIR, /tmp): HybridEP compiles there"
         )
-    (directory / MARKER).write_text(json.dumps(mine) + "\n")
+        raise CacheOff(
+            f"HybridEP's own jit directory {directory} is not safe to load kernels from: "
+            f"{why}; {instead}. Fix: set {BASE_ENV} to a directory only you (or root) can "
+            "write, whose parent others cannot write or is sticky (as /tmp)"
+        )
     cache.owns_dir = True
     cache.stale_removed = clean_stale(directory.parent)
 

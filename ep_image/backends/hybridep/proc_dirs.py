@@ -17,12 +17,14 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ep_image.backends.hybridep.kernel_files import TMP_MAX_AGE_S
+from ep_image.trust import untrusted_stat
 
 #: This package's record in a proc-<pid> directory: whose it is, so a later process can tell a
 #: dead owner from a live one. Not a ``.so``: HybridEP loads only those.
@@ -34,16 +36,60 @@ UNPROVEN_MAX_AGE_S = 7 * 86400.0
 _PROC_DIR = re.compile(r"proc-(\d+)")
 
 
-def jit_root(env: Mapping[str, str]) -> Path:
-    """HybridEP's jit directory without the proc-<pid> part, found as its get_jit_dir() does
-    (HYBRID_EP_CACHE_DIR, else the passwd entry's home, not $HOME, else /tmp)."""
-    base = env.get("HYBRID_EP_CACHE_DIR", "")
+#: The variable HybridEP's get_jit_dir() reads, at each HybridEPBuffer's construction.
+BASE_ENV = "HYBRID_EP_CACHE_DIR"
+#: What HybridEP puts between its base directory and the proc-<pid> directories.
+JIT_SUBDIR = Path(".deepep") / "hybrid_ep" / "jit"
+
+
+def jit_base(env: Mapping[str, str]) -> Path:
+    """The directory HybridEP's get_jit_dir() starts from: HYBRID_EP_CACHE_DIR, else the
+    passwd entry's home (not $HOME), else /tmp."""
+    base = env.get(BASE_ENV, "")
     if not base:
         try:
             base = pwd.getpwuid(os.getuid()).pw_dir
         except KeyError:
             base = ""
-    return Path(base or "/tmp") / ".deepep" / "hybrid_ep" / "jit"
+    return Path(base or "/tmp")
+
+
+def jit_root(env: Mapping[str, str]) -> Path:
+    """HybridEP's jit directory without the proc-<pid> part, found as its get_jit_dir() does."""
+    return jit_base(env) / JIT_SUBDIR
+
+
+def untrusted_chain(base: Path, directory: Path) -> str | None:
+    """Why HybridEP's ``directory`` (under ``base``) may hold kernels that are not this user's
+    or root's, or None. Every directory from ``base``'s parent down to ``directory`` must be
+    this user's or root's (an owner can rename what is inside, sticky or not), and each one
+    holding the next writable by nobody else unless sticky (else another user renames the
+    next one aside and builds their own, kernel included, in its place); ``directory`` itself
+    writable by nobody else. ``base`` and its parent are followed if symbolic links (as
+    ep_image.trust.untrusted_cache does), the directories below them must not be links."""
+    below = directory.relative_to(base).parts
+    chain: list[tuple[Path, bool]] = []
+    if base.parent != base:
+        chain.append((base.parent, True))
+    chain.append((base, True))
+    path = base
+    for part in below:
+        path = path / part
+        chain.append((path, False))
+    last = len(chain) - 1
+    for i, (path, follow) in enumerate(chain):
+        try:
+            st = os.stat(path) if follow else os.lstat(path)
+        except OSError as exc:
+            return f"{path} cannot be looked at ({exc.strerror or exc})"
+        why = untrusted_stat(path, st)
+        if why is None:
+            continue
+        holds_next = i < last and stat.S_ISDIR(st.st_mode)
+        if holds_next and st.st_mode & stat.S_ISVTX and why.startswith("others can write"):
+            continue  # sticky, and this user's or root's: what is ours in it stays ours
+        return why
+    return None
 
 
 def jit_dir(env: Mapping[str, str], pid: int | None = None) -> Path:
@@ -64,10 +110,10 @@ def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (None when it does not exist or
     is a zombie): a pid reused by a later process has another."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()
+    fields = text[text.rfind(")") + 2 :].split()
     if not fields or fields[0] in ("Z", "X"):
         return None
     return fields[19] if len(fields) > 19 else None

@@ -159,7 +159,6 @@ def add_run_flags(parser: cli.Parser) -> None:
     parser.add_argument(
         "--nproc-per-node",
         type=int,
-        default=0,
         metavar="N",
         help="start N local ranks (no torchrun needed) and exit with their agreed code",
     )
@@ -225,7 +224,7 @@ def run_options_of(args: argparse.Namespace, world: int) -> dict[str, Any]:
             raise cli.UsageError(f"--{name} must be a positive integer, got {value}")
     if args.timeout <= 0:
         raise cli.UsageError(f"--timeout must be positive, got {args.timeout}")
-    if args.nproc_per_node < 0:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:  # None: not given
         raise cli.UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if args.ranks_per_gpu < 1:
         raise cli.UsageError(f"--ranks-per-gpu must be >= 1, got {args.ranks_per_gpu}")
@@ -243,7 +242,7 @@ def run_options_of(args: argparse.Namespace, world: int) -> dict[str, Any]:
         "timeout": args.timeout,
         "json": args.json,
         "require": args.require,
-        "nproc_per_node": args.nproc_per_node,
+        "nproc_per_node": args.nproc_per_node or 0,
         "ranks_per_gpu": args.ranks_per_gpu,
     }
 

@@ -7,22 +7,30 @@ the default). In an ``EP=all`` image every backend has its venv under ``/opt/ven
 run here is that venv's own python running check_train with the same flags, so each backend
 is judged in the environment it will train in, at the ranks it needs on the GPUs here (DeepEP
 v1 at 2, 4 or 8; on one GPU its 2 ranks share it), and the runs' reports become one table.
+Each run is bounded (``deadline``) and ends with the launcher however that ends (children.py):
+a venv whose python hangs or crashes is a row that says how it ended, not a launcher that
+waits forever or leaves it running.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ep_image import backends, child_env, cli
-from ep_image.probes._report import RESULT_WORDS, merge_exit_codes, write_report
+from ep_image.probes._report import (
+    EXIT_UNUSABLE,
+    RESULT_WORDS,
+    merge_exit_codes,
+    write_report,
+)
 from ep_image.probes.check_ep.launch import strip_flag
-from ep_image.probes.check_train.types import PROG, TrainOptions
+from ep_image.probes.check_train.children import Keeper, stop_on_signals
+from ep_image.probes.check_train.types import PROG, STEP_NAMES, TrainOptions
 
 DEFAULT_PREFIX = "/opt/venvs"
 
@@ -54,24 +62,36 @@ def child_argv(argv: list[str]) -> list[str]:
 _COUNT_GPUS = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
 
 
-def visible_gpus(python: Path, options: TrainOptions) -> int:
+def deadline(options: TrainOptions) -> tuple[float, str]:
+    """Seconds one backend's run may take, and how that was reached: --timeout for each of
+    its steps (its own supervisor calls a step that runs longer a hang and ends the run) and
+    one more for its start (the interpreter, torch's import, the ranks' rendezvous). Past it
+    the run is stopped with everything it started, and its row says it timed out."""
+    parts = len(STEP_NAMES) + 1
+    seconds = options.timeout * parts
+    return seconds, f"the deadline, {seconds:g} s: --timeout {options.timeout:g} s x {parts}"
+
+
+def visible_gpus(pythons: list[Path], options: TrainOptions, keeper: Keeper) -> int:
     """The GPUs the runs will have: what a venv's torch counts (this python may have no
-    torch); 0 with ``--device cpu`` or when it cannot tell."""
+    torch), asked of each venv in turn until one answers within --timeout; 0 with
+    ``--device cpu`` or when none can tell."""
     if options.device == "cpu":
         return 0
-    try:
-        proc = subprocess.run(
-            [str(python), "-c", _COUNT_GPUS],
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    lines = proc.stdout.split()
-    return int(lines[-1]) if proc.returncode == 0 and lines and lines[-1].isdigit() else 0
+    for python in pythons:
+        try:
+            ended = keeper.run(
+                [str(python), "-c", _COUNT_GPUS],
+                env=child_env(),
+                deadline=options.timeout,
+                capture=True,
+            )
+        except OSError:
+            continue
+        lines = ended.stdout.split()
+        if ended.returncode == 0 and lines and lines[-1].isdigit():
+            return int(lines[-1])
+    return 0
 
 
 def ranks_for(name: str, gpus: int) -> tuple[int, int]:
@@ -104,15 +124,62 @@ def launch_flags(name: str, gpus: int, options: TrainOptions) -> list[str]:
     return flags + (["--ranks-per-gpu", str(per_gpu)] if per_gpu > 1 else [])
 
 
-def run_one(name: str, python: Path, argv: list[str], report: Path) -> dict[str, Any]:
-    """One backend's run in its own venv; its report's summary (the exit code, and the report
-    itself when one was written)."""
+def run_one(
+    name: str,
+    python: Path,
+    argv: list[str],
+    report: Path,
+    keeper: Keeper,
+    limit: tuple[float, str],
+) -> dict[str, Any]:
+    """One backend's run in its own venv, within ``limit`` (``deadline``); its report's
+    summary: the exit code, the report itself when one was written, and how the run ended
+    where its report does not say (``ended``: timed out, killed by a signal, the exit status
+    without a report, or a status its report did not give)."""
     cmd = [str(python), "-m", "ep_image.probes.check_train", "--backend", name, *argv]
     cmd += ["--json", str(report)]
     print(f"{PROG}: --all-backends: {name}: {' '.join(cmd)}", flush=True)
-    code = subprocess.run(cmd, env=child_env(), check=False).returncode
-    data = json.loads(report.read_text()) if report.is_file() else None
-    return {"backend": name, "python": str(python), "argv": argv, "exit_code": code, "report": data}
+    report.unlink(missing_ok=True)  # an earlier run's must not stand for this one
+    try:
+        ended = keeper.run(cmd, env=child_env(), deadline=limit[0])
+    except OSError as exc:  # not executable after all, a bad interpreter line
+        return _run_record(name, python, argv, EXIT_UNUSABLE, None, f"did not start: {exc}")
+    data = _read_report(report) if not ended.timed_out else None
+    code = ended.returncode
+    how = ""
+    if data is None:
+        how = ended.how(limit[1])
+        how += "" if ended.timed_out else " without a report"
+        # A run that said nothing did not show that the backend works: unusable, unless its
+        # own command line was refused (2).
+        code = code if code == cli.EXIT_USAGE else EXIT_UNUSABLE
+    elif code != data.get("exit_code", code):  # a crash on the way out, after the report
+        how = f"{ended.how()} after its report (which says {data.get('result')})"
+    record = _run_record(name, python, argv, code, data, how)
+    record.update(returncode=ended.returncode, seconds=round(ended.seconds, 3))
+    return record
+
+
+def _run_record(
+    name: str, python: Path, argv: list[str], code: int, data: dict[str, Any] | None, how: str
+) -> dict[str, Any]:
+    return {
+        "backend": name,
+        "python": str(python),
+        "argv": argv,
+        "exit_code": code,
+        "ended": how,
+        "report": data,
+    }
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    """A run's JSON report; None where it wrote none (or not a whole one)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def summary_row(run: dict[str, Any]) -> dict[str, Any]:
@@ -128,10 +195,13 @@ def summary_row(run: dict[str, Any]) -> dict[str, Any]:
     argv = run.get("argv", [])
     per_gpu = int(argv[argv.index("--ranks-per-gpu") + 1]) if "--ranks-per-gpu" in argv else 1
     frameworks = n.get("recompute_frameworks") or {}
+    ended = run.get("ended", "")
+    result = report.get("result") or _result_without_report(ended)
     return {
         "backend": run["backend"],
         "exit_code": run["exit_code"],
-        "result": report.get("result") or RESULT_WORDS.get(run["exit_code"], "no report"),
+        "result": result,
+        "ended": ended,
         "ranks": report.get("world_size"),
         "ranks_per_gpu": per_gpu,
         "step_seconds": n.get("backend_step_seconds", medians.get("backend")),
@@ -143,8 +213,17 @@ def summary_row(run: dict[str, Any]) -> dict[str, Any]:
         "label": n.get("label"),
         "recompute_findings": n.get("recompute_findings"),
         "recompute_frameworks": frameworks,
-        "first_problem": bad[0] if bad else "",
+        "first_problem": ended or (bad[0] if bad else ""),
     }
+
+
+def _result_without_report(ended: str) -> str:
+    """The result column of a run that wrote no report, by how it ended."""
+    if ended.startswith("timed out"):
+        return "timed out"
+    if ended.startswith("killed by"):
+        return "crashed"
+    return "no report"
 
 
 def _ranks_cell(row: dict[str, Any]) -> str:
@@ -216,15 +295,23 @@ def run(options: TrainOptions, argv: list[str]) -> int:
             exit_code=4,
         )
     shared = child_argv(argv)
-    with tempfile.TemporaryDirectory(prefix="check_train-all-") as tmp:
-        # Each run's own report beside the combined one (train.json: train.deepep_v2.json).
-        where = options.json.parent if options.json else Path(tmp)
-        stem = options.json.stem if options.json else PROG
-        gpus = visible_gpus(found[0][1], options)
-        runs = [
-            run_one(n, p, [*shared, *launch_flags(n, gpus, options)], where / f"{stem}.{n}.json")
-            for n, p in found
-        ]
+    limit = deadline(options)
+    keeper = Keeper()
+    try:
+        with stop_on_signals(), tempfile.TemporaryDirectory(prefix="check_train-all-") as tmp:
+            keeper.hold_path(tmp)
+            # Each run's own report beside the combined one (train.json: train.deepep_v2.json).
+            where = options.json.parent if options.json else Path(tmp)
+            stem = options.json.stem if options.json else PROG
+            gpus = visible_gpus([p for _, p in found], options, keeper)
+            runs = []
+            for n, p in found:
+                report = where / f"{stem}.{n}.json"
+                flags = [*shared, *launch_flags(n, gpus, options)]
+                runs.append(run_one(n, p, flags, report, keeper, limit))
+        keeper.release_path(tmp)
+    finally:
+        keeper.close()
     code = merge_exit_codes(r["exit_code"] for r in runs)
     rows = [summary_row(r) for r in runs]
     print(render(rows, prefix, code), flush=True)
@@ -238,6 +325,7 @@ def run(options: TrainOptions, argv: list[str]) -> int:
                 "prefix": str(prefix),
                 "python": sys.executable,
                 "gpus": gpus,
+                "deadline_seconds": limit[0],
                 "rows": rows,
                 "runs": runs,
                 "exit_code": code,

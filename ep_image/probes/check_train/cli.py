@@ -9,6 +9,7 @@ check_train's kind.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
 from ep_image import cli
@@ -19,7 +20,9 @@ from ep_image.probes.check_train.types import (
     CPU_DEFAULTS,
     GPU_DEFAULTS,
     LR_TIMES_HIDDEN,
+    MAX_LR,
     PROG,
+    STEP_NAMES,
     TrainOptions,
 )
 
@@ -53,8 +56,9 @@ how to run:
 
 exit codes (all ranks agree):
   0 all passed   1 a check failed (wrong losses or gradients, a recompute that got other
-  rows, NaN, memory that grows every step)   2 bad usage   3 backend unusable (it raised or
-  crashed)   4 backend (or TE with --te on) missing   5 cannot run here (skipped)
+  rows, NaN, memory that grows every step), or the model did not train with these settings
+  (the fallback neither: the backend is then not judged)   2 bad usage   3 backend unusable
+  (it raised or crashed)   4 backend (or TE with --te on) missing   5 cannot run here (skipped)
 """,
     )
     ep_cli.add_backend_flags(parser)
@@ -62,7 +66,8 @@ exit codes (all ranks agree):
         "--all-backends",
         action="store_true",
         help="train the same model with every backend venv under --prefix in turn (each in its "
-        "own venv's python) and print one table",
+        f"own venv's python, stopped after {len(STEP_NAMES) + 1} x --timeout: one per step and "
+        "one to start) and print one table",
     )
     parser.add_argument(
         "--prefix",
@@ -80,8 +85,8 @@ exit codes (all ranks agree):
     parser.add_argument(
         "--lr",
         type=float,
-        help=f"AdamW's learning rate (default: {LR_TIMES_HIDDEN} / hidden: 1e-2 at hidden 64, "
-        "6.25e-4 at 1024; a wider model needs a smaller one)",
+        help=f"AdamW's learning rate, above 0 and at most {MAX_LR:g} (default: {LR_TIMES_HIDDEN} "
+        "/ hidden: 1e-2 at hidden 64, 6.25e-4 at 1024; a wider model needs a smaller one)",
     )
     parser.add_argument(
         "--no-checkpoint",
@@ -145,8 +150,14 @@ def parse_options(argv: Sequence[str] | None) -> TrainOptions:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise cli.UsageError(f"--{name} must be a positive integer, got {value}")
-    if args.lr is not None and not args.lr > 0:
-        raise cli.UsageError(f"--lr must be positive, got {args.lr}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise cli.UsageError(f"--lr must be a positive finite number, got {args.lr:g}")
+    if args.lr is not None and args.lr > MAX_LR:
+        raise cli.UsageError(
+            f"--lr {args.lr:g} is above {MAX_LR:g}: Adam moves every weight by about the rate "
+            "each step, more than any weight of the model starts at, so it cannot train (the "
+            f"default is {LR_TIMES_HIDDEN} / hidden)"
+        )
     if args.all_backends and (args.backend != "auto" or args.backend_class):
         raise cli.UsageError("--all-backends runs every backend; drop --backend/--backend-class")
     if args.prefix and not args.all_backends:

@@ -20,6 +20,7 @@ from ep_image.probes.check_train.types import (
     GPU_DEFAULTS,
     PROG,
     STEP_NAMES,
+    VOCAB,
     TrainOptions,
     agreement_bound,
     lr_for,
@@ -42,12 +43,42 @@ def model_sizes(options: TrainOptions, on_gpu: bool, world: int) -> dict[str, in
     for key in ("layers", "steps", "seq", "heads"):
         given = getattr(options, key)
         sizes[key] = given if given is not None else defaults[key]
-    validate_model(sizes, options.seq is not None)
+    validate_model(sizes, options.seq is not None, world)
     return sizes
 
 
-def validate_model(sizes: dict[str, int], seq_given: bool) -> None:
-    """What the model needs of its shape: whole sequences per rank, whole heads."""
+def min_tokens(sizes: dict[str, int], world: int) -> tuple[int, str]:
+    """The fewest tokens per rank and step the model can train on, and why: each step's
+    top-k slots must be at least the experts (else some expert gets no token to train on, at
+    every step), and the whole run must show the model at least the task's VOCAB transitions
+    (its batches are drawn afresh each step: with fewer, the loss on each new batch falls by
+    luck if at all; measured on the CPU model: 8 steps of 4 tokens did not learn, of 8 did)."""
+    experts, topk, steps = sizes["experts"], sizes["topk"], sizes["steps"]
+    for_experts = -(-experts // (world * topk))
+    for_task = -(-VOCAB // (world * steps))
+    if for_experts >= for_task:
+        why = (
+            f"each step's {world} x --tokens x top-{topk} slots must reach every one of the "
+            f"{experts} experts (else some never get a token to train on)"
+        )
+        return for_experts, why
+    why = (
+        f"the run must show the model at least the task's {VOCAB} transitions ({world} x "
+        f"--tokens x {steps} steps; with fewer its loss falls by luck if at all)"
+    )
+    return for_task, why
+
+
+def validate_model(sizes: dict[str, int], seq_given: bool, world: int = 1) -> None:
+    """What the model needs of its shape: enough tokens to train on (``min_tokens``), whole
+    sequences per rank, whole heads."""
+    if sizes["steps"] >= 2:  # fewer steps are refused below, with their own reason
+        fewest, why = min_tokens(sizes, world)
+        if sizes["tokens"] < fewest:
+            raise UsageError(
+                f"--tokens {sizes['tokens']} is too few to train on: {why}, so at least "
+                f"{fewest} per rank here"
+            )
     tokens, seq = sizes["tokens"], sizes["seq"]
     if not seq_given and tokens % seq:
         sizes["seq"] = seq = min(seq, tokens)  # a small --tokens takes one shorter sequence

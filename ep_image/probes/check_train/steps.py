@@ -81,9 +81,16 @@ def run_steps(
     for name, run in (("fallback", fallback), ("train", train)):
         begin(name, steps)
         step = guarded(name, lambda name=name, run=run: _raised_as_error(name, run))
-        steps.append(agree(rt, step, _same_everywhere))
+        step = agree(rt, step, _same_everywhere)
+        steps.append(step)
         if step.status == Status.ERROR:
             steps.extend(not_run(n, step) for n in STEP_NAMES[len(steps) :])
+            return steps
+        if step.data.get("did_not_train"):  # the settings', not the backend's: not judged
+            steps.extend(
+                Step(n, Status.NOT_RUN, detail=verdicts.NOT_JUDGED)
+                for n in STEP_NAMES[len(steps) :]
+            )
             return steps
     backend_result, fallback_result = results["train"], results["fallback"]
     layers = phase.shape.layers

@@ -121,6 +121,12 @@ SPEED_PAIRS = 6
 
 #: AdamW's default learning rate times the hidden size: 1e-2 at hidden 64 (the CPU model).
 LR_TIMES_HIDDEN = 0.64
+#: The largest --lr taken. Adam moves every weight by about the rate at each step whatever its
+#: gradient, and no weight of the model starts wider than 1 (the embedding's std; the others'
+#: is hidden^-0.5): above 1 the first step swamps every weight with its own update, so nothing
+#: the model could learn survives it (at 1 the CPU model's loss went 4.9 -> 34 in 8 steps, and
+#: past float32's range AdamW itself raises).
+MAX_LR = 1.0
 
 
 def lr_for(hidden: int, given: float | None = None) -> float:

@@ -71,25 +71,39 @@ def phase_data(result: Any, tokens: int) -> dict[str, Any]:
     return data
 
 
+#: The fallback's verdict when it does not train: the settings', not the backend's.
+DID_NOT_TRAIN = "the model did not train with these settings, the all-gather fallback neither"
+#: What the steps after it say: the backend's training has no oracle to be judged against.
+NOT_JUDGED = (
+    "not run: the model did not train with these settings (the fallback step), so the "
+    "backend's training would have nothing to be judged against"
+)
+
+
 def step_fallback(result: Any, tokens: int) -> Step:
+    """The oracle's training. One that does not train (not finite, or its loss does not fall)
+    says the settings cannot train the model, whatever the backend: the backend is then not
+    judged (``data["did_not_train"]``), rather than blamed for what the fallback does too."""
     with timed_step("fallback") as step:
         step.data = phase_data(result, tokens)
         bad = [p for s in result.steps for p in s.nonfinite]
         if bad:
+            step.data["did_not_train"] = True
             raise StepFailed(
                 Status.FAIL,
-                f"the all-gather fallback's training is not finite: {bad[0]}",
-                "the model diverges with these flags: lower --lr",
+                f"{DID_NOT_TRAIN}: it diverged ({bad[0]}); the backend is not judged",
+                "not the backend's doing: the model diverges with these flags; lower --lr",
                 step.data,
             )
         losses = step.data["losses"]
         if not falls(losses):
+            step.data["did_not_train"] = True
             raise StepFailed(
                 Status.FAIL,
-                f"the all-gather fallback does not learn: {losses_text(losses)} over "
-                f"{len(losses)} steps (must fall {MIN_FALL:.0%})",
-                "the oracle itself does not train with these flags: more --steps, another "
-                "--lr, or a smaller model",
+                f"{DID_NOT_TRAIN}: {losses_text(losses)} over {len(losses)} steps (must fall "
+                f"{MIN_FALL:.0%}); the backend is not judged",
+                "not the backend's doing: change the flags until the fallback learns (more "
+                "--steps or --tokens, another --lr, a smaller model)",
                 step.data,
             )
         step.detail = (
