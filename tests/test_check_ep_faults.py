@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BROKEN, clean_env
+from conftest import BROKEN, clean_env, run_probe_in
 
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
 QUICK = ["--iters", "3", "--warmup", "1", "--replays", "2", "--timeout", "120"]
@@ -572,3 +572,43 @@ def test_the_jit_adapters_declare_what_their_jit_runs_from_the_cuda_home() -> No
     assert elastic.jit_tools == ("nvcc", "cuobjdump")
     assert hybrid.jit_tools == ("nvcc",)
     assert all(cls.jit_compiles for cls in (elastic, hybrid))
+
+
+@pytest.mark.parametrize("probe", ["check_ep", "check_train"])
+def test_a_torch_that_exits_at_import_is_named_as_its_import_failing(
+    tmp_path: Path, probe: str
+) -> None:
+    """A fake torch first on PYTHONPATH that calls sys.exit(3) when imported. Before: "the
+    backend process exited with status 3 during import without a verdict", fixed by "the
+    backend ended its process", and the line of the backend process began "probe:". Now the
+    import step names torch's import failing, the fix names that torch and PYTHONPATH, and
+    every line is the running probe's."""
+    shadow = tmp_path / "shadow"
+    (shadow / "torch").mkdir(parents=True)
+    fake = shadow / "torch" / "__init__.py"
+    fake.write_text("import sys\nsys.exit(3)\n")
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(shadow), os.environ["PYTHONPATH"]]))
+    run = run_probe_in(tmp_path, f"{probe}.py", "--backend", "torch", env=env, timeout=300)
+    assert run.proc.returncode == 3, run.output
+    step = run.step("import")
+    assert step["status"] == "error", step
+    assert "importing torch called sys.exit(3)" in step["detail"], step["detail"]
+    assert "exited with status" not in step["detail"], step["detail"]
+    assert "ended its process" not in step["hint"], step["hint"]
+    assert str(shadow / "torch") in step["hint"] and "PYTHONPATH" in step["hint"], step["hint"]
+    assert f"{probe}: unexpected ImportError: importing torch" in run.proc.stderr, run.output
+    assert "probe: unexpected" not in run.proc.stderr.replace(f"{probe}: unexpected", "")
+
+
+def test_a_single_rank_check_train_leaves_nothing_in_tmpdir(tmp_path: Path) -> None:
+    """check_train on one rank, in an empty TMPDIR: it passes and leaves it empty. Before:
+    an empty torchinductor_<user> there, made by inductor's cache when torch._dynamo is first
+    imported (torch.optim's step does), in the backend process."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    quick = ["--steps", "2", "--layers", "1", "--tokens", "64"]
+    run = run_probe_in(
+        tmp_path, "check_train.py", "--backend", "torch", *quick, env=clean_env(TMPDIR=str(tmpdir))
+    )
+    assert run.proc.returncode == 0, run.output
+    assert sorted(p.name for p in tmpdir.iterdir()) == [], "left in TMPDIR"

@@ -36,6 +36,11 @@ HANG = ["--backend-class", "broken_backends:HangsInBuffer", "--scenarios", "none
 PROBE = [sys.executable, "-m", "ep_image.probes.check_ep"]
 
 
+def hang(probe: str) -> list[str]:
+    """The flags of a run whose ranks hang in the buffer step, for ``probe``."""
+    return HANG if probe == "check_ep" else HANG[:2]
+
+
 def start_time(pid: int) -> str | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -94,21 +99,26 @@ def kill_and_watch(launcher: subprocess.Popen, seconds: float = 20) -> tuple[dic
     return started, still_running(started)
 
 
-@pytest.mark.parametrize("launcher", ["nproc-per-node", "torchrun"])
+@pytest.mark.parametrize(
+    ("launcher", "probe"),
+    [("nproc-per-node", "check_ep"), ("torchrun", "check_ep"), ("nproc-per-node", "check_train")],
+)
 def test_every_rank_ends_on_its_own_when_its_launcher_is_killed(
-    tmp_path: Path, launcher: str
+    tmp_path: Path, launcher: str, probe: str
 ) -> None:
     """Two ranks, each with its backend process, hung in the buffer step; the launcher gets
     SIGKILL. Within 20 s every process it started has ended, and TMPDIR holds nothing of the
-    probe's (under the probe's own launcher: nothing at all, torchelastic's logs included)."""
+    probe's (under the probe's own launcher: nothing at all, torchelastic's logs included).
+    Each rank says so under the running probe's name (check_train's said "check_ep:")."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     env = child_env(clean_env(TMPDIR=str(tmpdir)))
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "ep_image.probes.check_ep", *HANG]  # fmt: skip
+               "--nproc-per-node", "2", "-m", f"ep_image.probes.{probe}", *HANG]  # fmt: skip
     else:
-        cmd = [*PROBE, *HANG, "--nproc-per-node", "2"]
+        cmd = [sys.executable, "-m", f"ep_image.probes.{probe}", *hang(probe), "--nproc-per-node",
+               "2"]  # fmt: skip
     log = (tmp_path / "log").open("w")
     job = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=log,
                            start_new_session=True)  # fmt: skip
@@ -124,10 +134,54 @@ def test_every_rank_ends_on_its_own_when_its_launcher_is_killed(
         assert remains == [], f"left in TMPDIR: {remains}"
         said = (tmp_path / "log").read_text()
         assert "the process that started it" in said and "is gone" in said, said[-2000:]
+        gone = [line for line in said.splitlines() if "the process that started it" in line]
+        assert all(line.startswith(f"{probe}: rank ") for line in gone), gone
     finally:
         job.kill()
         kill_all(started)
         log.close()
+
+
+@pytest.mark.parametrize("probe", ["check_ep", "check_train"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_launcher_stops_its_ranks_and_says_so_once(
+    tmp_path: Path, probe: str, sig: signal.Signals
+) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM of the probe's own launcher while its two ranks run: one
+    line, the conventional 128 + the signal, no rank's table or report, and nothing left
+    running or in TMPDIR. Before: torchelastic's SignalException traceback and exit 1, with
+    rank 0's table of a job "stopped" (exit 3) or each rank's "interrupted" line before it."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", f"ep_image.probes.{probe}", *hang(probe), "--nproc-per-node",
+           "2", "--json", str(report)]  # fmt: skip
+    out, err = (tmp_path / "out").open("w"), (tmp_path / "err").open("w")
+    job = subprocess.Popen(cmd, env=child_env(clean_env(TMPDIR=str(tmpdir))), cwd=tmp_path,
+                           stdout=out, stderr=err, start_new_session=True)  # fmt: skip
+    started: dict[int, str] = {}
+    try:
+        wait_for_ranks(job, 4)
+        started = descendants(job.pid)
+        job.send_signal(sig)
+        code = job.wait(timeout=60)
+        stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+        assert code == 128 + sig, f"exit {code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        assert stderr.strip().splitlines() == [
+            f"{probe}: interrupted ({sig.name}): ranks stopped, no verdict"
+        ], stderr[-3000:]
+        assert stdout.strip() == "", stdout[-2000:]
+        assert not report.exists(), "a rank wrote a report of the job it was stopped in"
+        deadline = time.monotonic() + 10
+        while still_running(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert still_running(started) == [], f"{len(started)} started, these still run"
+        assert sorted(p.name for p in tmpdir.iterdir()) == [], "left in TMPDIR"
+    finally:
+        job.kill()
+        kill_all(started)
+        out.close()
+        err.close()
 
 
 @pytest.mark.parametrize("child_leaves", [True, False])

@@ -60,12 +60,15 @@ class Lifeline:
         self._job_fd: int | None = None
         self._pid = 0  # the process that started the watch (a forked child is not it)
         self._ending = False
+        self._who = ""
 
-    def start(self) -> None:
-        """Watch the parent (once per process; only in a launched rank)."""
+    def start(self, who: str = "") -> None:
+        """Watch the parent (once per process; only in a launched rank); ``who`` begins what
+        it says when the parent is gone ("check_train: rank 1"; the rank of RANK by default)."""
         with self._lock:
             if self._thread is not None or not launched():
                 return
+            self._who = who or f"rank {os.environ.get('RANK', '?')}"
             self._job_fd = hold_job_dir(fcntl.LOCK_SH)
             self._pid = os.getpid()
             self._thread = threading.Thread(target=self._watch, name="ep-lifeline", daemon=True)
@@ -127,10 +130,9 @@ class Lifeline:
         if not first:  # the other thread is ending this process: its os._exit comes
             time.sleep(30)
             os._exit(EXIT_ORPHANED)
-        rank = os.environ.get("RANK", "?")
         with contextlib.suppress(Exception):
             print(
-                f"check_ep: rank {rank}: the process that started it (pid {parent}) is gone: "
+                f"{self._who}: the process that started it (pid {parent}) is gone: "
                 "stopping this rank and its backend process",
                 file=sys.stderr,
                 flush=True,

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import getpass
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -82,6 +84,8 @@ class Outcome:
             "error_frames": self.progress.get("error_frames", []),
             "call": self.progress.get("call"),
             "stall": self.progress.get("stall"),
+            # Wrong data a check of the step found before the step ended (Progress.found_wrong).
+            "wrong": self.progress.get("wrong"),
             # check_ep's scenarios: those finished, and in ``views`` the tensors handed as views
             # to the call it is in and what it found so far (a process that ends there may have
             # refused a view: a precondition, read by rank 0's supervisor).
@@ -117,6 +121,10 @@ class Progress:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.state: dict[str, Any] = {}
+        #: The backend calls so far (``mark_call``, ``mark_return``), as the call file holds them.
+        self._calls: dict[str, Any] = {"returned": 0}
+        #: The label of the last backend call that returned ("dispatch, call #12").
+        self.last_call: str | None = None
 
     @property
     def stopping(self) -> bool:
@@ -132,15 +140,51 @@ class Progress:
             # before every backend call of the scenarios).
             write_json_atomic(self.path, self.state, fsync=False)
 
-    def mark_call(self, call: str | None) -> None:
-        """The backend call this process is in now (None: none), in a file of its own beside
-        the breadcrumb: written before and after every call into the backend, so it costs a
-        few bytes, not the whole breadcrumb."""
+    def mark_call(self, name: str, number: int) -> None:
+        """This process entered its ``number``-th call into the backend, ``name``: the call
+        file says which (``call``: "dispatch, call #12"), since when, and how far it got before
+        (``returned``...): a supervisor holds that against its peers' (``stall.py``)."""
+        self._calls.update(
+            call=f"{name}, call #{number}", number=number, since=time.time(), returned=number - 1
+        )
+        self._write_calls()
+
+    def mark_return(self, number: int) -> None:
+        """Call ``number`` returned (or raised): the call file says so, with the slowest call
+        of the step so far (a peer's bound for waiting on this rank)."""
+        now = time.time()
+        step = self.state.get("current")
+        took = now - float(self._calls.get("since") or now)
+        same_step = self._calls.get("step") == step
+        slowest = float(self._calls.get("slowest") or 0.0) if same_step else 0.0
+        self.last_call = self._calls.get("call")
+        self._calls.update(
+            call=None,
+            number=None,
+            since=None,
+            returned=number,
+            returned_at=now,
+            step=step,
+            slowest=round(max(slowest, took), 4),
+        )
+        self._write_calls()
+
+    def found_wrong(self, detail: str) -> None:
+        """A check of the current step found wrong data before the step ended (the first such
+        finding of the step is kept): if the ranks then stop meeting in a collective, the report
+        keeps the verdict the wrong result earned."""
+        step = self.state.get("current")
+        if (self.state.get("wrong") or {}).get("step") != step:
+            self.update(wrong={"step": step, "detail": detail})
+
+    def _write_calls(self) -> None:
+        """The call file, beside the breadcrumb: written before and after every call into the
+        backend, so it costs a few bytes, not the whole breadcrumb."""
         if self.path is None:
             return
         target = self.path.parent / CALL_FILE
         tmp = target.with_name(f".{CALL_FILE}.tmp")
-        tmp.write_text(call or "")
+        tmp.write_text(json.dumps(self._calls))
         os.replace(tmp, target)
 
 
@@ -172,8 +216,11 @@ class Watch:
     stall_every: float = 0.5
 
 
-def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outcome:
-    """Run ``work`` in a forked child and return how it ended.
+def run_supervised(
+    work: Callable[[], int], watch: Watch | None = None, who: str = "probe"
+) -> Outcome:
+    """Run ``work`` in a forked child and return how it ended; ``who`` begins the lines this
+    process and the child print ("check_train: rank 1").
 
     Falls back to calling ``work`` directly where fork is unavailable or when already inside
     a supervised child.
@@ -183,7 +230,7 @@ def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outco
         return Outcome("finished", work())
     # A launched rank ends with what started it (_lifeline): its backend's process group and
     # this directory go with it.
-    lifeline.start()
+    lifeline.start(who)
     tmp = Path(tempfile.mkdtemp(prefix="ep-probe-"))
     lifeline.own_path(tmp)
     crumb, fault_path = tmp / "progress.json", tmp / "fault.log"
@@ -192,7 +239,7 @@ def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outco
     oom_before = _memory.oom_kills()
     pid = os.fork()
     if pid == 0:  # the child: do the work, never return into the caller
-        _child(work, crumb, fault_path)
+        _child(work, crumb, fault_path, who)
     with contextlib.suppress(OSError):  # the child does it too: whichever runs first
         os.setpgid(pid, pid)
     lifeline.own_group(pid)
@@ -220,6 +267,7 @@ def run_supervised(work: Callable[[], int], watch: Watch | None = None) -> Outco
         outcome.signal_name = f"SIGKILL ({OUT_OF_MEMORY})"
     for path in (crumb, fault_path, tmp / STOP_MARKER, tmp / CALL_FILE, tmp / f".{CALL_FILE}.tmp"):
         path.unlink(missing_ok=True)
+    shutil.rmtree(tmp / INDUCTOR_CACHE, ignore_errors=True)
     if not any(tmp.iterdir()):
         tmp.rmdir()
     lifeline.release_path(tmp)
@@ -248,7 +296,32 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
+#: The directory, beside the breadcrumbs, that holds torch's inductor cache for the child when
+#: none is set and none is there yet (``_inductor_cache``): removed with them.
+INDUCTOR_CACHE = "torchinductor"
+
+
+def _inductor_cache(tmp: Path) -> None:
+    """Give torch's inductor cache a directory of this run's (removed with it), unless the
+    user set one (TORCHINDUCTOR_CACHE_DIR) or its default directory is there already.
+
+    Importing ``torch._dynamo`` (any torch.optim step, torch.utils.checkpoint) makes inductor's
+    cache directory, by default ``$TMPDIR/torchinductor_<user>``: a probe run left it behind,
+    empty, in a TMPDIR it had found empty. One that is there already is a cache in use: its
+    kernels serve this run too.
+    """
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    default = Path(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    if not default.exists():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / INDUCTOR_CACHE)
+
+
+def _child(work: Callable[[], int], crumb: Path, fault_path: Path, who: str) -> None:
     code = 3
     try:
         with contextlib.suppress(OSError):
@@ -256,6 +329,7 @@ def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
         lifeline.leave_to_parent()  # the job directory's lock stays the rank's alone
         _die_with_parent()
         os.environ[CHILD_ENV] = "1"
+        _inductor_cache(crumb.parent)
         progress.path = crumb
         fault_file = open(fault_path, "w")  # noqa: SIM115 - must outlive this frame
         faulthandler.enable(file=fault_file, all_threads=False)
@@ -266,10 +340,10 @@ def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
-        print(f"probe: unexpected {message}", file=sys.stderr)
+        print(f"{who}: unexpected {message}", file=sys.stderr)
         # Where it was raised, and what this process had taken from outside its venv: the
         # supervisor, which never imported it, reports both.
-        frames = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+        frames = _frames(exc)
         progress.update(
             error=" ".join(message.split())[:400],
             error_frames=frames[-20:],
@@ -279,6 +353,20 @@ def _child(work: Callable[[], int], crumb: Path, fault_path: Path) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _frames(exc: BaseException) -> list[str]:
+    """The files of ``exc``'s traceback and of the errors it was raised from (``raise ...
+    from``), innermost last: an ImportError made of an import's ``sys.exit`` names the file
+    that exited."""
+    files: list[str] = []
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        files.extend(frame.filename for frame in traceback.extract_tb(cause.__traceback__))
+        cause = cause.__cause__
+    return files
 
 
 def _watch_child(
@@ -358,10 +446,12 @@ def _outcome(how: str, status: int, state: dict[str, Any], fault: str, seconds: 
 
 
 def _read_state(crumb: Path) -> dict[str, Any]:
-    """The child's breadcrumb, with the backend call it is in (``call``, None between calls)."""
+    """The child's breadcrumb, with the backend call it is in (``call``, None between calls)
+    and its calls so far (``calls``: ``Progress.mark_call``)."""
     state = _read_json(crumb)
-    call = _read_text(crumb.parent / CALL_FILE)
-    state["call"] = call or None
+    calls = _read_json(crumb.parent / CALL_FILE)
+    state["call"] = calls.get("call") or None
+    state["calls"] = calls
     return state
 
 

@@ -1,12 +1,15 @@
 """A notice board in the job's key-value store: how each rank's backend process ended.
 
 Each rank's supervisor posts its backend's end here, so rank 0 can still name the rank that
-failed first when a crash makes torchrun tear every rank down. The store is torchrun's agent
-store or one that rank 0's supervisor serves; see docs/probes.md, section "Backends".
+failed first when a crash makes torchrun tear every rank down, and, while it runs, how far its
+backend calls got, so a peer waiting in a call this rank left can tell (``stall.py``). The
+store is torchrun's agent store or one that rank 0's supervisor serves; see docs/probes.md,
+section "Backends".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -72,6 +75,24 @@ class Board:
             try:
                 if view.check([key]):
                     found[rank] = json.loads(view.get(key))
+            except Exception:  # the board is best effort: a peer's store may be gone
+                return found
+        return found
+
+    def post_calls(self, progress: dict[str, Any]) -> None:
+        """Publish how far this rank's backend calls got (``stall.call_progress``); best
+        effort, as every post: rank 0 may already be gone."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}calls{self.rank}", json.dumps(progress))
+
+    def calls(self) -> dict[int, dict[str, Any]]:
+        """Every rank's call progress posted so far (rank -> ``stall.call_progress``)."""
+        found: dict[int, dict[str, Any]] = {}
+        for rank in range(self.world):
+            key = f"{self.prefix}calls{rank}"
+            try:
+                if self.store.check([key]):
+                    found[rank] = json.loads(self.store.get(key))
             except Exception:  # the board is best effort: a peer's store may be gone
                 return found
         return found

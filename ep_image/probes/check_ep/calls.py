@@ -2,7 +2,9 @@
 
 Why this module exists: a rank that hangs or stalls is reported with the step it was in; inside
 a step, the backend call it never returned from is what its user needs to look at (and what
-a stack from native code does not say in the backend's own words).
+a stack from native code does not say in the backend's own words). Every rank makes the same
+calls in the same order, so the numbers also tell a rank waiting in a call from peers that
+returned from it without it (``stall.stalled_in_call``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ CALLS = (
 
 def track_calls(backend: Any) -> Any:
     """Wrap ``backend``'s calls (on the instance) so that each leaves ``call`` ("dispatch, call
-    #12": its 12th call into the backend)
-    in the breadcrumb while it runs; a call made inside another (an adapter whose backward is
-    its combine) keeps the outer one's name. Returns ``backend``."""
+    #12": its 12th call into the backend) in the breadcrumb while it runs, and the count of
+    calls returned after it; a call made inside another (an adapter whose backward is its
+    combine) keeps the outer one's name. Returns ``backend``."""
     depth = [0]
     count = [0]
 
@@ -39,14 +41,15 @@ def track_calls(backend: Any) -> Any:
             outer = depth[0] == 0
             if outer:
                 count[0] += 1
-                _supervise.progress.mark_call(f"{name}, call #{count[0]}")
+                number = count[0]
+                _supervise.progress.mark_call(name, number)
             depth[0] += 1
             try:
                 return method(*args, **kwargs)
             finally:
                 depth[0] -= 1
                 if outer:
-                    _supervise.progress.mark_call(None)
+                    _supervise.progress.mark_return(number)
 
         return tracked
 

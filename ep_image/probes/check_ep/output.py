@@ -210,6 +210,8 @@ def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -
         call = f" (in the backend's {found['call']})" if found.get("call") else ""
         scenario = f" (scenario {found['scenario']})" if found.get("scenario") else ""
         finished = found.get("finished", {})
+        if found.get("left"):
+            return _describe_call_stall(rank, found, f"{found.get('step', step)}{call}{scenario}")
         text = (
             f"rank {rank} stopped making progress in {found.get('step', step)}{call}{scenario} "
             f"after ranks {[int(r) for r in finished]} finished that step: no progress for "
@@ -232,6 +234,30 @@ def _describe(rank: int, world: int, outcome: dict[str, Any], deadline: float) -
             "stopped"
         )
     return f"{who} was stopped during {step}"
+
+
+def _describe_call_stall(rank: int, found: dict[str, Any], where: str) -> str:
+    """A rank waiting in a backend call its peers returned from without it (``found``:
+    ``stall.stalled_in_call``), ``where`` its step and call."""
+    left = found.get("left", {})
+    now = "; ".join(
+        f"rank {r} is now in the backend's {p['call']}"
+        if p.get("call")
+        else f"rank {r} is past it, in the probe's own code"
+        for r, p in left.items()
+    )
+    text = (
+        f"rank {rank} stopped making progress in {where}: ranks {[int(r) for r in left]} "
+        f"returned from that call without it (a collective they never joined; {now}): no "
+        f"progress for {found.get('waited')} s after them, past the bound of "
+        f"{found.get('bound')} s"
+    )
+    if found.get("peer_call_seconds"):
+        text += f" (their slowest call of the step took {found['peer_call_seconds']} s)"
+    wrong = [f"rank {r}: {d}" for r, d in (found.get("wrong") or {}).items()]
+    if wrong:
+        text += "; before it the backend returned wrong data: " + "; ".join(wrong)
+    return text
 
 
 def primary_failure(
@@ -305,6 +331,23 @@ def _unfinished_step(
     hung = sorted(r for r, o in outcomes.items() if o["how"] == "hang")
     if failure["how"] == "hang" and len(hung) > 1:
         detail += f" (ranks {hung} all hung there)"
+    stalled = sorted(r for r, o in outcomes.items() if o["how"] == "stall")
+    if failure["how"] == "stall" and len(stalled) > 1:
+        detail += f" (ranks {stalled} all stalled there)"
+    # Wrong data a rank's checks found in this step before it ended this way, not yet said.
+    found = failure.get("stall") or {}
+    finished = found.get("finished") or {}
+    said = set(found.get("wrong") or {})
+    said |= {r for r, a in finished.items() if a.get("status") == "fail"}
+    wrong_before = {
+        r: o["wrong"].get("detail")
+        for r, o in sorted(outcomes.items())
+        if (o.get("wrong") or {}).get("step") == current and str(r) not in said
+    }
+    if wrong_before:
+        lead = "before it the backend returned wrong data"
+        lead = "; and" if lead in detail else f"; {lead}:"
+        detail += f"{lead} " + "; ".join(f"rank {r}: {d}" for r, d in wrong_before.items())
     hint = _HINTS[failure["how"]]
     if failure["how"] == "error" and first:
         hint = import_failure.hint(failure, options, own.progress) or _HINTS["import_error"]
@@ -313,7 +356,7 @@ def _unfinished_step(
     raised = failure.get("raised") or {}
     # A stall after the backend returned wrong data on the ranks that finished is a failed
     # check (exit 1); one where nothing was wrong yet, a hang (3).
-    wrong_data = failure["how"] == "stall" and (failure.get("stall") or {}).get("wrong_data")
+    wrong_data = failure["how"] == "stall" and (found.get("wrong_data") or bool(wrong_before))
     step = Step(
         current,
         Status.FAIL if wrong_data else Status.ERROR,
@@ -325,6 +368,8 @@ def _unfinished_step(
             "failure": {"rank": rank, **_lean({k: v for k, v in failure.items() if k != "raised"})},
         },
     )
+    if wrong_before and step.status == Status.ERROR:
+        step.data["wrong_data"] = True  # the verdict stays "failed" (exit_code_of)
     if current == "scenarios":
         if not raised:
             name = str(failure.get("scenario") or "").split(":", 1)[0]

@@ -4,8 +4,10 @@ does not finish.
 Why this module exists: a backend can crash, exit, hang or raise on some ranks only (leaving the
 others blocked in its collective), and under torchrun a peer's death tears every rank down; this
 process (which holds no CUDA state) turns each of these into a verdict: it posts how its child
-ended on the job's board, and on rank 0 it writes the table and the JSON report of a run that
-did not finish, naming the rank and the step (``output.report_unfinished``).
+ended on the job's board (and, while it runs, how far its backend calls got: ``stall.py``), and
+on rank 0 it writes the table and the JSON report of a run that did not finish, naming the rank
+and the step (``output.report_unfinished``). A rank stopped because its launcher was
+interrupted has no verdict to give: the launcher says so, once (``launch.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def run(kind: ProbeKind, options: RunOptions, argv: list[str]) -> int:
         return report_verdict(kind, options, env, missing)
     if options.nproc_per_node:
         preflight.check_local_launch(kind, options, preflight.visible_gpus())
-        return launch.launch_local(options.nproc_per_node, kind.module, argv)
+        return launch.launch_local(options.nproc_per_node, kind.module, argv, kind.prog)
     code = supervise(kind, options, env)
     if env.rank == 0:
         launch.write_exit_code(code)
@@ -73,20 +75,36 @@ def supervise(kind: ProbeKind, options: RunOptions, env: RankEnv) -> int:
         board = board_box[0]
         return board is not None and board.failures() > 0
 
+    last_progress: list[dict[str, Any]] = []  # what this rank last posted of its calls
+
     def stalled(state: dict[str, Any]) -> dict[str, Any] | None:
-        """Whether this rank's backend process stopped in a step its peers finished."""
+        """Whether this rank's backend process stopped in a step its peers finished, or in a
+        backend call they returned from without it; posts how far its own calls got."""
         board = board_box[0] if board_box else None
         if board is None:
             return None
+        progress = stall.call_progress(state)
+        if last_progress != [progress]:
+            board.post_calls(progress)
+            last_progress[:] = [progress]
         heading = int(state.get("agreed", 0)) + 1
-        return stall.stalled(state, board.arrivals(heading), env.rank)
+        found = stall.stalled(state, board.arrivals(heading), env.rank)
+        if found is None and stall.in_call_for(state) > stall.STALL_FLOOR:
+            found = stall.stalled_in_call(state, board.calls(), env.rank)
+        return found
 
     watch = _supervise.Watch(
         step_deadline=options.timeout,
         peer_failed=peer_failed,
         stalled=stalled if env.world > 1 else None,
     )
-    outcome = _supervise.run_supervised(lambda: worker.work(kind, options, env, sel), watch)
+    outcome = _supervise.run_supervised(
+        lambda: worker.work(kind, options, env, sel), watch, who=_who(kind, env)
+    )
+    if outcome.how == "stopped" and (signame := launch.interrupted()) is not None:
+        # The launcher was interrupted and stopped the ranks: it says so, once; no rank has a
+        # verdict to give.
+        return launch.interrupted_code(signame)
     raised = outcome.progress.get("raised")
     if outcome.how == "finished" and raised:
         # The backend raised here while peers were blocked in its collective: a failure on the
@@ -117,3 +135,8 @@ def supervise(kind: ProbeKind, options: RunOptions, env: RankEnv) -> int:
     outcomes = board.read(wait=5.0) if board is not None else {}
     outcomes[env.rank] = posted
     return output.report_unfinished(kind, options, env, sel, outcome, outcomes)
+
+
+def _who(kind: ProbeKind, env: RankEnv) -> str:
+    """How this rank's lines begin: the probe's name, and the rank where there are several."""
+    return f"{kind.prog}: rank {env.rank}" if env.world > 1 else kind.prog

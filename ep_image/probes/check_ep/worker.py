@@ -10,8 +10,10 @@ found in its breadcrumbs for the supervisors to report (``ranks.PeersLeftWaiting
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ep_image import cli
@@ -53,23 +55,35 @@ def work(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selection) -> 
         return EXIT_UNUSABLE
 
 
+@contextlib.contextmanager
+def importing(what: str) -> Iterator[None]:
+    """An import that ends the process (``sys.exit`` in a module, a fake ``torch`` on
+    PYTHONPATH) is the import failing, said as such, not the backend ending its process: an
+    ImportError, whose cause's frames name the file (``import_failure``)."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise ImportError(f"importing {what} called sys.exit({exc.code!r})") from exc
+
+
 def run_worker(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selection) -> int:
     """Import torch and the backend, place the rank, set up the groups, run the steps, report."""
     _supervise.progress.update(backend=sel.name, current="import", steps=[])
     # The torch side of the probe (steps, checks, reference, adapters) is imported from here
     # on only: the command line and the supervisor never load torch themselves.
-    import torch
+    with importing("torch"):
+        import torch
 
     from ep_image.probes.check_ep.adapters import plugins
 
     module, _, function = kind.run_steps.partition(":")
     run_steps = getattr(importlib.import_module(module), function)
 
-    backend_cls = (
-        plugins.load_backend_class(options.backend_class)
-        if options.backend_class
-        else plugins.BUILTIN[sel.name]
-    )
+    if options.backend_class:
+        with importing(f"--backend-class {options.backend_class}"):
+            backend_cls = plugins.load_backend_class(options.backend_class)
+    else:
+        backend_cls = plugins.BUILTIN[sel.name]
     if sel.custom:
         sel.name = backend_cls.name
     backend = track_calls(backend_cls())

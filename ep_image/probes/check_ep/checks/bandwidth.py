@@ -75,6 +75,7 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
             options.iters,
             dispatch_wrong,
             memory=True,
+            label="timed dispatch",
         )
         combine = bench(
             rt,
@@ -84,6 +85,7 @@ def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: 
             options.iters,
             combine_wrong,
             memory=True,
+            label="timed combine",
         )
         t_dispatch, bad_dispatch = dispatch.seconds, dispatch.bad
         t_combine, bad_combine = combine.seconds, combine.bad

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ep_image.probes import _supervise
 from ep_image.probes.check_ep.checks.call_memory import CallMemory, measure
 from ep_image.probes.check_ep.ranks import Runtime, sync
 
@@ -41,6 +42,7 @@ def bench(
     is_wrong: Callable[[int, Any], Any] | None,
     collective: bool = True,
     memory: bool = False,
+    label: str | None = None,
 ) -> Timing:
     """Median seconds of ``fn(prepare(i))`` after ``warmup`` calls, and the calls
     ``is_wrong(i, out)``.
@@ -48,6 +50,9 @@ def bench(
     Call ``i``'s input is prepared before its timing starts, and its check is queued after its
     end event, so neither is part of the timing. With ``memory``, the last warm-up call (an
     extra untimed one when there is no warm-up) is measured by ``call_memory.measure``.
+    With ``label`` (the backend's operation timed), a wrong call is also noted in the
+    breadcrumb as soon as it is known without waiting on the GPU (``Progress.found_wrong``):
+    should the ranks then stop meeting in a collective, the report keeps what it earned.
     """
     flags: list[Any] = []
     calls = 0
@@ -57,9 +62,21 @@ def bench(
         """Call ``i``'s flag; an output too malformed to check is wrong (never an exception:
         this rank must go on making the calls its peers make)."""
         try:
-            return is_wrong(i, out) if is_wrong is not None else False
+            flag = is_wrong(i, out) if is_wrong is not None else False
         except Exception:
-            return True
+            flag = True
+        if label is not None and _on_host(flag) and bool(flag):
+            last = _supervise.progress.last_call
+            said = f" (the backend's {last})" if last else ""
+            _supervise.progress.found_wrong(f"{label} #{i}{said} returned wrong data")
+        return flag
+
+    def note_wrong() -> None:
+        """After a sync: the first wrong call so far, if any, in the breadcrumb."""
+        if label is not None:
+            bad = [i for i, flag in enumerate(flags) if bool(flag)]
+            if bad:
+                _supervise.progress.found_wrong(f"{label} #{bad[0]} returned wrong data")
 
     def call(measure_it: bool = False) -> None:
         nonlocal calls, measured
@@ -75,6 +92,7 @@ def bench(
     for i in range(untimed):
         call(measure_it=memory and i == untimed - 1)
     sync(rt)
+    note_wrong()
     if collective:
         dist.barrier(group=rt.ctrl_group)
     times: list[float] = []
@@ -95,5 +113,11 @@ def bench(
             flags.append(judge(calls, out))
         calls += 1
     sync(rt)
+    note_wrong()
     bad = [i for i, flag in enumerate(flags) if bool(flag)]
     return Timing(statistics.median(times), bad, calls, len(times), measured)
+
+
+def _on_host(flag: Any) -> bool:
+    """Whether reading ``flag`` costs no wait on the GPU (a Python value or a CPU tensor)."""
+    return not isinstance(flag, torch.Tensor) or flag.device.type == "cpu"
