@@ -77,6 +77,23 @@ def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
         time.sleep(0.02)
 
 
+def kill_dedup_at(marker: Path, env: dict[str, str], *args: str) -> None:
+    """Run dedup with ``args`` and SIGKILL its whole session the moment ``marker`` appears (a
+    wrapped tool writes it): the state a killed run leaves, for the next run to undo."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ep_image.build_steps.dedup", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(marker, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
 def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
@@ -246,18 +263,7 @@ def test_read_only_killed_after_clearing_write_bits_is_undone_by_the_next_run(
     before = {"a": modes(a), "b": modes(b)}
     marker = tmp_path / "hardlink-finished"
     env = wrapped_hardlink(tmp_path / "wrap", after=f"touch {marker}; sleep 600")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ep_image.build_steps.dedup", "--read-only", str(a), str(b)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_for(marker, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill_dedup_at(marker, env, "--read-only", str(a), str(b))
 
     # The state a kill leaves: files of one venv only, without their write bits.
     assert stat.S_IMODE((a / "own_a.so").stat().st_mode) == 0o444
@@ -292,18 +298,7 @@ def test_a_plain_run_after_a_killed_read_only_run_gives_the_modes_back(tmp_path:
     (a / "only.bin").chmod(0o640)
     marker = tmp_path / "hardlink-started"
     env = wrapped_hardlink(tmp_path / "wrap", before=f"touch {marker}; sleep 600")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ep_image.build_steps.dedup", "--read-only", str(a), str(b)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_for(marker, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill_dedup_at(marker, env, "--read-only", str(a), str(b))
     assert stat.S_IMODE((a / "only.bin").stat().st_mode) == 0o440
     assert stat.S_IMODE((b / "same.bin").stat().st_mode) == 0o444
 
@@ -531,15 +526,15 @@ def test_strip_and_append_write_through_a_shared_inode_and_a_rename_does_not(
     assert mine.stat().st_ino != theirs.stat().st_ino
 
 
-# --------------------------------------------------------------------------- dedup_tree
+# --------------------------------------------------------------------------- dedup.books
 
 
-def test_dedup_tree_has_a_command_line_whose_figures_are_dus(tmp_path: Path) -> None:
+def test_dedup_books_has_a_command_line_whose_figures_are_dus(tmp_path: Path) -> None:
     a, b = _small_trees(tmp_path)
     os.link(a / "lib/dup1.bin", b / "lib/extra.bin")
-    script = [sys.executable, "-m", "ep_image.build_steps.dedup_tree"]
+    script = [sys.executable, "-m", "ep_image.build_steps.dedup.books"]
     helped = subprocess.run([*script, "--help"], capture_output=True, text=True)
-    assert helped.returncode == 0 and "usage: dedup_tree " in helped.stdout
+    assert helped.returncode == 0 and "usage: dedup.books " in helped.stdout
     assert "du -sxcB1" in helped.stdout
 
     proc = subprocess.run([*script, "--json", a, b], capture_output=True, text=True)

@@ -17,13 +17,13 @@ from ep_image import child_env, cli, tools
 from ep_image.build_steps import dedup
 from ep_image.tools import USE_EP
 
-#: The name of what the user ran, for usage and messages: an entry point (build-host, or its
-#: earlier name ep-host), scripts/build_host.sh (which says so in EP_IMAGE_DOOR), or the Python
-#: front door scripts/build_host.py (``python -m`` runs this file under the same name).
-_ENTRY_POINTS = ("build-host", "ep-host")
+#: The name of what the user ran, for usage and messages: the entry point build-host,
+#: scripts/build_host.sh (which says so in EP_IMAGE_DOOR), or the Python front door
+#: scripts/build_host.py (``python -m`` runs this file under the same name).
+ENTRY_POINT = "build-host"
 PROG = (
-    Path(sys.argv[0]).name
-    if Path(sys.argv[0]).name in _ENTRY_POINTS
+    ENTRY_POINT
+    if Path(sys.argv[0]).name == ENTRY_POINT
     else os.environ.get("EP_IMAGE_DOOR") or "build_host.py"
 )
 EXIT_FAILED = 1

@@ -1,8 +1,8 @@
-"""``python -m ep_image.build_steps.dedup_tree ROOT...``: the books dedup keeps, printed without
+"""``python -m ep_image.build_steps.dedup.books ROOT...``: the books dedup keeps, printed without
 changing anything: what the trees hold, counted the way ``du -sxcB1`` counts it (each inode once,
 with its blocks), how many inodes the trees share and how many are also linked from outside.
 
-A command of its own beside dedup: it reads the trees with dedup's walk
+A command of its own in the dedup package: it reads the trees with dedup's walk
 (``ep_image.build_steps.dedup.tree``) and links nothing. See docs/host-mode.md, section
 "Deduplicating venvs".
 """
@@ -36,7 +36,7 @@ def books(tree: Tree, skipped: Counter[str]) -> dict[str, object]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.Parser(
-        prog="dedup_tree",
+        prog="dedup.books",
         description=(
             "Print what the given trees hold, counted the way `du -sxcB1 ROOT...` counts it: "
             "each inode once, with its blocks; how many inodes are shared by several paths "
@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "another prefix). These are the books dedup keeps before and after it "
             "links; this command only reads."
         ),
-        epilog="Example: python3 -m ep_image.build_steps.dedup_tree /opt/venvs/*/",
+        epilog="Example: python3 -m ep_image.build_steps.dedup.books /opt/venvs/*/",
     )
     parser.add_argument("roots", nargs="+", metavar="ROOT", help="a tree to count")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     tree = scan(roots, devices.pop(), None, 0, skipped)
     figures = books(tree, skipped)
     if tree.vanished_roots:
-        print(f"dedup_tree: gone while counted: {' '.join(tree.vanished_roots)}", file=sys.stderr)
-        print("dedup_tree: run it again on trees that exist", file=sys.stderr)
+        print(f"dedup.books: gone while counted: {' '.join(tree.vanished_roots)}", file=sys.stderr)
+        print("dedup.books: run it again on trees that exist", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(figures, indent=2))
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run("dedup_tree", parse_args, run, argv)
+    return cli.run("dedup.books", parse_args, run, argv)
 
 
 if __name__ == "__main__":
