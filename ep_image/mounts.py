@@ -27,6 +27,7 @@ class Mount:
     device: tuple[int, int]  # st_dev's major:minor of the mounted file system
     root: str  # the directory of that file system mounted here ("/" unless a bind mount)
     super_options: str
+    mount_id: int = -1  # the kernel's id of this mount (-1: not read from mountinfo)
 
     def option(self, name: str) -> str | None:
         """A per-superblock option's value (``upperdir`` of an overlay), unescaped."""
@@ -75,6 +76,7 @@ def parse(text: str) -> list[Mount]:
                 device=(int(major), int(minor)),
                 root=_unescape(fields[3]),
                 super_options=_unescape(tail[2]),
+                mount_id=int(fields[0]) if fields[0].isdigit() else -1,
             )
         )
     return found
@@ -113,3 +115,56 @@ def inside(path: str | os.PathLike[str], table: list[Mount] | None = None) -> li
         if m.mount_point != real and _under(m.mount_point, real)
     }
     return sorted(found)
+
+
+def mount_id_of(path: str | os.PathLike[str]) -> int | None:
+    """The kernel's id of the mount that holds ``path`` (``mnt_id`` of an fd opened on it), or
+    None where /proc cannot say. Unlike a longest-prefix match of mount points, it is right
+    where mounts are stacked on one point or a path's mount was covered after it was opened."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except (OSError, AttributeError):
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key == "mnt_id":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def aliases(path: str | os.PathLike[str], table: list[Mount] | None = None) -> list[str]:
+    """Every path by which the file or directory at ``path`` (resolved, listed first) can be
+    reached here: where its file system, or a directory above it in that file system, is also
+    mounted (a bind mount). Each path is confirmed by device and inode; a mount's ``root`` says
+    where in its file system the mounted tree lies, which no path string says."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    table = mounts() if table is None else table
+    wanted = mount_id_of(real)
+    here = next((m for m in table if m.mount_id == wanted), None) if wanted is not None else None
+    here = here or mount_of(real, table)
+    if here is None or here.root.endswith("//deleted"):
+        return [real]
+    # Where ``path`` lies inside its file system: the mount's root, then the way down to it.
+    inner = os.path.normpath(os.path.join(here.root, os.path.relpath(real, here.mount_point)))
+    found = [real]
+    for mount in table:
+        if mount.device != here.device or not _under(inner, mount.root):
+            continue
+        rest = os.path.relpath(inner, mount.root)
+        candidate = os.path.normpath(os.path.join(mount.mount_point, rest))
+        if candidate in found:
+            continue
+        try:
+            other = os.stat(candidate)
+        except OSError:
+            continue  # covered by another mount, or not reachable from here
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            found.append(candidate)
+    return found

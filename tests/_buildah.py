@@ -144,7 +144,9 @@ def unmount_under(path: Path) -> None:
     """Unmount what an interrupted overlay build left mounted under ``path``, deepest first,
     so that ``rm --one-file-system`` removes the whole storage."""
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-    for point in sorted((m for m in mounts if m.startswith(f"{path}/")), reverse=True):
+    # The kernel names a mount point by its resolved path.
+    unders = tuple(dict.fromkeys((f"{path}/", f"{os.path.realpath(path)}/")))
+    for point in sorted((m for m in mounts if m.startswith(unders)), reverse=True):
         subprocess.run(["umount", "-l", point], check=False)
 
 

@@ -8,7 +8,10 @@ their own (the machine's apt sources and package database are not touched) and u
 `dpkg -x` into the test cache. dockerd then runs with its data, exec root, socket and config
 under a directory of the run, without a bridge, iptables rules or IP forwarding (the machine's
 network configuration stays as it was), and is stopped by its PID when the run ends, passing
-or not, with every process and mount it left.
+or not, with every process and mount it left. What dockerd, containerd and runc write under /run
+whatever their roots (a BuildKit container's runc state, a shim's socket, the directories
+holding them) is recorded in the state directory before dockerd starts, so that the next run
+removes it should this one be killed (``leftovers``), and nothing of another Docker's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import _owned_dirs as owned_dirs
-from _buildah import CACHE, unmount_under
+from _buildah import CACHE
 
 MIRROR = "http://deb.debian.org/debian"
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
@@ -45,10 +49,18 @@ ENGINE = (
 ENGINE_DEBIAN_12 = (("docker.io", "bookworm"), ("containerd", "bookworm"), ("runc", "bookworm"))
 #: The oldest C library the Debian 13 binaries run on (their packages depend on libc6 >= 2.34).
 GLIBC = (2, 34)
-#: Directories under /run that dockerd, containerd and runc make whatever their roots are; they
-#: are removed at the end when this run made them and left them empty.
+#: Directories under /run that dockerd, containerd and runc make whatever their roots are (no
+#: flag moves them); those this run made are removed at its end, or by the next run, when empty.
 RUN_DIRS = (Path("/run/docker/plugins"), Path("/run/docker"), Path("/run/containerd/s"),
             Path("/run/containerd"), Path("/run/runc"))  # fmt: skip
+#: runc's default root: the state of the containers BuildKit runs for RUN steps inside dockerd.
+RUNC_ROOT = Path("/run/runc")
+#: Where containerd's shims put their sockets, named by a hash of containerd's address, the
+#: namespace and the container's id.
+SHIM_SOCKETS = Path("/run/containerd/s")
+#: The record of what a daemon may leave outside its state directory, written there before it
+#: starts (a run killed with SIGKILL cannot remove those; the next run reads this to).
+OUTSIDE = "outside.json"
 
 
 class EngineUnavailable(RuntimeError):
@@ -179,6 +191,12 @@ class Daemon:
     def host(self) -> str:
         return f"unix://{self.state / 'docker.sock'}"
 
+    @property
+    def secrets(self) -> Path:
+        """A directory for the build secrets of the tests (mode 0700): inside the state, so they
+        go with it, also when a killed run's state is removed by the next run."""
+        return self.state / "secrets"
+
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a docker client of this daemon: its socket, and a client
         configuration whose cli-plugins/ holds this engine's buildx (a docker CLI elsewhere on
@@ -211,11 +229,12 @@ def running(engine: Installed, parent: Path, timeout: float = 60) -> Iterator[Da
     """dockerd of ``engine`` with all its state in a new directory under ``parent``; stopped
     (SIGTERM, then SIGKILL after 30 s), its children and mounts gone and the directory removed
     when the block ends, however it ends."""
-    made = [d for d in RUN_DIRS if not d.exists()]
-    owned = owned_dirs.make(parent, "docker-")  # and removes what killed runs left there
+    owned = owned_dirs.make(parent, "docker-", leftovers)  # removes what killed runs left
     state = owned.path
+    record_outside(state, [d for d in RUN_DIRS if not d.exists()])
     for sub in ("data", "exec", "client/cli-plugins"):
         (state / sub).mkdir(parents=True)
+    (state / "secrets").mkdir(mode=0o700)
     (state / "daemon.json").write_text("{}\n")  # not the machine's /etc/docker/daemon.json
     if engine.buildx:
         (state / "client" / "cli-plugins" / "docker-buildx").symlink_to(engine.buildx)
@@ -257,11 +276,89 @@ def running(engine: Installed, parent: Path, timeout: float = 60) -> Iterator[Da
         owned_dirs.stop([proc.pid], grace=30)
         proc.wait()
         log.close()
-        alive = [p for p in {*children, *owned_dirs.naming(state)} if owned_dirs.alive(p)]
-        owned_dirs.stop(alive, grace=10)
-        unmount_under(state)
-        subprocess.run(["rm", "-rf", "--one-file-system", str(state)], check=False)
+        owned_dirs.stop([p for p in children if owned_dirs.alive(p)], grace=10)
+        # What names the state, its mounts, the state, and what it recorded outside it.
+        owned_dirs.remove(state, leftovers)
         owned.release()
-        for directory in made:  # deepest first (RUN_DIRS' order); only if empty
-            with contextlib.suppress(OSError):
-                directory.rmdir()
+
+
+def record_outside(state: Path, made: list[Path], run: Path = Path("/run")) -> None:
+    """Write down, in ``state`` and before dockerd starts, where its daemon may leave things
+    outside it: the directories under ``run`` this run makes (``made``: absent before it
+    started), runc's roots (BuildKit's under ``run``, dockerd's own under the state), the shims'
+    socket directory and containerd's address, whose hash names this daemon's sockets there."""
+    record = {
+        "made": [str(run / d.relative_to("/run")) for d in made],
+        "runc_roots": [str(run / RUNC_ROOT.relative_to("/run")),
+                       str(state / "exec" / "runtime-runc" / "moby")],
+        "shim_sockets": str(run / SHIM_SOCKETS.relative_to("/run")),
+        "containerd": str(state / "exec" / "containerd" / "containerd.sock"),
+    }  # fmt: skip
+    (state / OUTSIDE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _started(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot, /proc's field 22): a PID's identity."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cgroup_pids(cgroup: Path) -> list[int]:
+    with contextlib.suppress(OSError, ValueError):
+        return [int(line) for line in (cgroup / "cgroup.procs").read_text().split()]
+    return []
+
+
+def leftovers(state: Path) -> owned_dirs.Outside:
+    """What the daemon of ``state`` left outside it, as its record (``record_outside``) and the
+    state itself say; nothing without a record. Only what names this state is taken:
+
+    - each runc container (BuildKit's RUN steps under runc's root, dockerd's under the state)
+      whose root file system or state lies in ``state``: its init process (the PID and its start
+      time, as runc wrote them), every process of its cgroups, its state directory and cgroups;
+    - each shim socket whose name is the hash of this containerd's address, a namespace and a
+      container of the state (a SIGKILL'd shim leaves it);
+    - the directories the run made under /run, each removed when empty (an empty
+      /run/docker/plugins is kept while another Docker's socket is beside it).
+    """
+    try:
+        record = json.loads((state / OUTSIDE).read_text())
+    except FileNotFoundError:
+        return owned_dirs.Outside()
+    outside = owned_dirs.Outside(made=[Path(d) for d in record.get("made", [])])
+    # dockerd resolves its roots' symbolic links: what it wrote may name either path.
+    inside = tuple(dict.fromkeys((f"{state}/", f"{os.path.realpath(state)}/")))
+    for root in map(Path, record.get("runc_roots", [])):
+        for found in sorted(root.glob("*/state.json")):
+            try:
+                container = json.loads(found.read_text())
+            except (OSError, ValueError):
+                continue
+            rootfs = str((container.get("config") or {}).get("rootfs") or "")
+            if not (rootfs.startswith(inside) or str(found).startswith(inside)):
+                continue  # another daemon's container
+            pid = container.get("init_process_pid")
+            if (
+                isinstance(pid, int)
+                and pid > 0
+                and _started(pid) == container.get("init_process_start")
+            ):
+                outside.pids.append(pid)
+            for path in map(Path, (container.get("cgroup_paths") or {}).values()):
+                if str(path).startswith("/sys/fs/cgroup/"):
+                    outside.pids += _cgroup_pids(path)
+                    outside.cgroups.append(path)
+            if not str(found).startswith(inside):
+                outside.entries.append(found.parent)
+    sockets, address = Path(record.get("shim_sockets", SHIM_SOCKETS)), record.get("containerd")
+    tasks = state / "exec" / "containerd" / "daemon" / "io.containerd.runtime.v2.task"
+    named = {(p.parent.name, p.name) for p in tasks.glob("*/*")}
+    named |= {("moby", p.name) for p in (state / "data" / "containers").glob("*")}
+    addresses = dict.fromkeys((address, os.path.realpath(address))) if address else {}
+    for (namespace, container_id), where in itertools.product(sorted(named), addresses):
+        name = hashlib.sha256(f"{where}/{namespace}/{container_id}".encode()).hexdigest()
+        if os.path.lexists(sockets / name):
+            outside.entries.append(sockets / name)
+    return outside

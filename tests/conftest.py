@@ -30,6 +30,20 @@ pytest_plugins = ["_tmp_retention", "_session_tmp", "_parallel"]
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test, remove what killed runs left: dockerd and buildah state directories
+    nobody holds, with their processes, mounts and (dockerd's) files under /run and build
+    secrets (tests/_owned_dirs.py). Once per run: in the controller, not in each worker."""
+    if getattr(config, "workerinput", None) is not None:
+        return
+    import _docker_engine
+    import _owned_dirs
+
+    # The prefixes of tests/_docker_engine.py's daemons and tests/test_image_build.py's storages.
+    _owned_dirs.sweep_killed_runs({"docker-": _docker_engine.leftovers, "store-": None})
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # Child Pythons (probes, ranks, make_venv) import this checkout's ep_image and the fixtures, as
 # pytest itself does (pyproject.toml's pythonpath).

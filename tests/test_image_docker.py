@@ -159,8 +159,10 @@ def base_image(docker: Docker, pytestconfig: pytest.Config) -> str:
 
 
 @pytest.fixture(scope="module")
-def secrets(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], list[str]]:
-    return marked_secrets(tmp_path_factory.mktemp("secrets"))
+def secrets(docker: Docker) -> tuple[dict[str, Path], list[str]]:
+    """In the daemon's state directory, not pytest's: they go with it, also when the next run
+    removes what a killed run left (tests/_owned_dirs.py)."""
+    return marked_secrets(docker.daemon.secrets)
 
 
 @dataclass

@@ -290,6 +290,76 @@ def test_the_same_tree_through_a_bind_mount_is_refused(
     assert after == before, "the tree was changed before the refusal"
 
 
+def _bound_subdirectory(tmp_path: Path) -> None:
+    """``big`` with a subdirectory ``s``, a sibling ``t``, a file of its own, and ``other``."""
+    write(tmp_path / "big/keepme", "k\n")
+    write(tmp_path / "big/s/f", "f\n")
+    write(tmp_path / "big/s/d/g", "g\n")
+    write(tmp_path / "big/t/old", "old\n")
+    write(tmp_path / "other/o", "o\n")
+
+
+@pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
+@pytest.mark.parametrize(
+    ("source", "target", "said", "bound"),
+    [
+        ("s2", "big", "is inside TARGET", "s2"),  # before: big/ emptied, the source's files gone
+        ("big", "s2/x", "is inside SOURCE", "s2"),  # before: 2,484 entries, a RecursionError
+        ("s2/d", "big", "is inside TARGET", "s2/d"),
+        ("big", "s2/d/new", "is inside SOURCE", "s2/d"),
+        ("s2", "big/s", "the same directory", None),
+    ],
+)
+def test_a_bind_mount_of_a_subdirectory_is_nested_as_the_kernel_sees_it(
+    tmp_path: Path, source: str, target: str, said: str, bound: str | None
+) -> None:
+    """``s2`` is a bind mount of ``big/s``: no path of ``s2`` lies under ``big``, yet it is
+    ``big``'s subdirectory. Refused before anything is written, naming both paths, the other
+    path of the bound tree and the fix, with the command's refusal code."""
+    _bound_subdirectory(tmp_path)
+    with mounts.bind(tmp_path / "big/s", tmp_path / "s2"):
+        before = _state(tmp_path / "big")
+        proc = _run(tmp_path / source, tmp_path / target)
+        after = _state(tmp_path / "big")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr
+    assert f"{tmp_path / source} " in proc.stderr and f"{tmp_path / target} " in proc.stderr
+    assert said in proc.stderr and "nothing was written" in proc.stderr, proc.stderr
+    assert "by another path" in proc.stderr, "the message says how they are one tree"
+    if bound is not None:  # which directory of the bind mount is which of ``big``
+        other = tmp_path / "big/s" / os.path.relpath(bound, "s2")
+        assert f"{tmp_path / bound} is also {os.path.normpath(other)}, through a mount" in (
+            proc.stderr
+        )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "fix: give two trees" if said == "the same directory" else "bind mount" in last
+    assert after == before, "the tree was changed before the refusal"
+    assert not (tmp_path / "s2").is_mount() and not list((tmp_path / "s2").iterdir())
+
+
+@pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("s2", "big/t"),  # a sibling of the bound directory, in the same file system
+        ("s2", "big/s_other"),  # a name that starts like the bound directory's
+        ("big/t", "s2/new"),  # into the bound directory, from its sibling
+        ("other", "s2"),  # onto the mount point itself, from another tree
+    ],
+)
+def test_trees_apart_sync_whatever_is_bound_where(tmp_path: Path, source: str, target: str) -> None:
+    """A bind mount nearby does not make trees that are apart look nested."""
+    _bound_subdirectory(tmp_path)
+    with mounts.bind(tmp_path / "big/s", tmp_path / "s2"):
+        proc = _run(tmp_path / source, tmp_path / target)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert tree_differences(tmp_path / target, tmp_path / source) == []
+    assert (tmp_path / "big/keepme").read_text() == "k\n", "a file beside both trees was touched"
+    assert (tmp_path / "other/o").read_text() == "o\n"
+    if target != "s2":
+        assert (tmp_path / "big/s/f").read_text() == "f\n"
+
+
 @pytest.mark.skipif(mounts.why_not() is not None, reason=str(mounts.why_not()))
 @pytest.mark.parametrize("where", ["target", "source"])
 def test_a_mount_point_inside_either_tree_is_refused(tmp_path: Path, where: str) -> None:

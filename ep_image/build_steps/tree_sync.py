@@ -153,14 +153,25 @@ def check_source(source: Path) -> None:
         )
 
 
-def _identities(path: Path) -> list[tuple[int, int]]:
-    """The (device, inode) of ``path`` (or, if it does not exist, of the nearest directory
-    above it that does) and of every directory above that, up to ``/``: which directories
-    these are, whatever path names them."""
-    real = Path(os.path.realpath(path))
-    while not os.path.lexists(real) and real != real.parent:
-        real = real.parent
-    return [(st.st_dev, st.st_ino) for st in map(os.stat, (real, *real.parents))]
+def _existing(path: Path) -> str:
+    """``path`` resolved, or, if it does not exist, the nearest directory above it that does:
+    the directory a new TARGET would be made in."""
+    real = os.path.realpath(path)
+    while not os.path.lexists(real) and real != os.path.dirname(real):
+        real = os.path.dirname(real)
+    return real
+
+
+def _chains(path: Path, table: list[mounts.Mount]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """For each path that reaches ``path`` (or the nearest existing directory above it; a bind
+    mount of it, or of a directory above it, is another such path): that path, and the device
+    and inode of it and of every directory above it up to ``/``. These say which directories
+    hold it, whichever path names it."""
+    found = []
+    for alias in mounts.aliases(_existing(path), table):
+        ids = [(st.st_dev, st.st_ino) for st in map(os.stat, (alias, *Path(alias).parents))]
+        found.append((alias, ids))
+    return found
 
 
 def _nested_as_paths(source: Path, target: Path) -> bool:
@@ -169,34 +180,27 @@ def _nested_as_paths(source: Path, target: Path) -> bool:
     return src == dst or src.startswith(dst.rstrip("/") + "/") or dst.startswith(src + "/")
 
 
+def _how(source: Path, target: Path, tree: Path, alias: str) -> str:
+    """How two trees whose paths look apart are one or nested: the other path of one."""
+    if _nested_as_paths(source, target):
+        return ""
+    existing = _existing(tree)
+    if alias == existing:
+        return " (the same directory by another path)"
+    return f" (the same directory by another path: {existing} is also {alias}, through a mount)"
+
+
 def check_nesting(source: Path, target: Path) -> None:
     """SyncError unless the two trees are apart: a TARGET that holds SOURCE would delete it
     (everything in TARGET that SOURCE lacks goes), a TARGET inside SOURCE would be copied into
     itself without end, and a mount inside either would carry the sync into another tree.
 
-    Directories are compared by device and inode, not by path: a bind mount reaches the same
-    directory by another path. Checked before anything is written.
+    A mount point inside either tree is named first (it is the other tree's way in, and
+    unmounting it is the fix). Then directories are compared by device and inode, not by path,
+    along every path the kernel's mount table shows to reach each tree: a bind mount reaches
+    the same directory, or one inside the other tree, by another path. Checked before anything
+    is written.
     """
-    src_chain = _identities(source)
-    dst_chain = _identities(target)
-    src_id = src_chain[0]
-    dst_id = dst_chain[0] if os.path.lexists(target) else None
-    how = "" if _nested_as_paths(source, target) else " (the same directory by another path)"
-    if dst_id == src_id:
-        raise SyncError(
-            f"{source} and {target} are the same directory{how}; nothing was written\n"
-            "fix: give two trees"
-        )
-    if dst_id is not None and dst_id in src_chain[1:]:
-        raise SyncError(
-            f"SOURCE {source} is inside TARGET {target}{how}: making TARGET equal to SOURCE "
-            "would delete SOURCE; nothing was written\nfix: give a TARGET outside SOURCE's tree"
-        )
-    if src_id in dst_chain:
-        raise SyncError(
-            f"TARGET {target} is inside SOURCE {source}{how}: it would be copied into itself; "
-            "nothing was written\nfix: give a TARGET outside SOURCE"
-        )
     table = mounts.mounts()
     for role, tree in (("SOURCE", source), ("TARGET", target)):
         if not os.path.lexists(tree):
@@ -209,6 +213,33 @@ def check_nesting(source: Path, target: Path) -> None:
                 + ": another tree is mounted inside it, which the sync would "
                 + ("copy as its own" if role == "SOURCE" else "empty as not in SOURCE")
                 + "; nothing was written\nfix: unmount it, or give trees without mounts inside"
+            )
+    src_chains = _chains(source, table)
+    dst_chains = _chains(target, table)
+    src_id = src_chains[0][1][0]
+    dst_id = dst_chains[0][1][0] if os.path.lexists(target) else None
+    if dst_id == src_id:
+        how = _how(source, target, target, dst_chains[0][0])
+        raise SyncError(
+            f"{source} and {target} are the same directory{how}; nothing was written\n"
+            "fix: give two trees"
+        )
+    for alias, ids in src_chains:
+        if dst_id is not None and dst_id in ids[1:]:
+            how = _how(source, target, source, alias)
+            raise SyncError(
+                f"SOURCE {source} is inside TARGET {target}{how}: making TARGET equal to "
+                "SOURCE would delete SOURCE; nothing was written\n"
+                "fix: give a TARGET that does not hold SOURCE, by any path (through a bind mount "
+                "too)"
+            )
+    for alias, ids in dst_chains:
+        if src_id in ids:
+            how = _how(source, target, target, alias)
+            raise SyncError(
+                f"TARGET {target} is inside SOURCE {source}{how}: it would be copied into "
+                "itself; nothing was written\nfix: give a TARGET outside SOURCE, by any path "
+                "(through a bind mount too)"
             )
 
 
@@ -315,7 +346,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "hardlinked elsewhere keeps its content there. The source is checked first: a "
             "FIFO, socket, device, unreadable file or unlistable directory in it refuses the "
             "sync before anything is written, as do trees that are one or nested (compared "
-            "by device and inode, so a bind mount counts), a mount point inside either tree, "
+            "by device and inode along every path the mount table gives each, so a bind mount "
+            "of either tree or of a directory in it counts), a mount point inside either tree, "
             "and, for a user who is not root, other users' files (a copy keeps its owner). "
             "rsync -a --delete, without needing rsync; the "
             "image's multi-backend stage uses it (python3 -m ep_image.build_steps.image_stage)."
