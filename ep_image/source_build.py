@@ -153,20 +153,23 @@ def link_stubs(env: dict[str, str], scratch: Path, names: tuple[str, ...]) -> di
 
 
 #: ``make`` for a build whose setup.py runs ``make -j`` with no job count (HybridEP's multi-node
-#: branch builds NCCL that way): a bare ``-j`` becomes ``-j$EP_MAKE_JOBS``. Unbounded, make
+#: branch builds NCCL that way): a bare ``-j`` becomes ``-j$EP_MAKE_JOBS -l``. Unbounded, make
 #: started over a hundred nvcc and cc1plus processes on a 2-core, 24 GiB build machine and used
-#: up its memory.
+#: up its memory. The bare ``-l`` lifts the load bound pyproject.toml declares in MAKEFLAGS for a
+#: plain ``uv sync`` (no wrapper there): here the job count is the bound.
 MAKE_WRAPPER = """#!/bin/sh
-# Written by ep_image/source_build.py: a bare -j (unlimited jobs) is bounded by EP_MAKE_JOBS.
+# Written by ep_image/source_build.py: a bare -j (unlimited jobs) is bounded by EP_MAKE_JOBS,
+# and the declared load bound (MAKEFLAGS' -l) lifted, the job count being the bound here.
 n=$#
 i=0
 while [ "$i" -lt "$n" ]; do
     a=$1
     shift
     if [ "$a" = "-j" ] || [ "$a" = "--jobs" ]; then
-        a="-j$EP_MAKE_JOBS"
+        set -- "$@" "-j$EP_MAKE_JOBS" "-l"
+    else
+        set -- "$@" "$a"
     fi
-    set -- "$@" "$a"
     i=$((i + 1))
 done
 exec "$EP_REAL_MAKE" "$@"

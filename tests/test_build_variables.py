@@ -68,7 +68,7 @@ def declared(pyproject: dict) -> dict[str, str]:
 #: headers, and a runpath to the venv's own NVSHMEM (setup.py's names uv's build environment).
 COMPILER_READS = {
     "NVCC_APPEND_FLAGS": "-std=c++20",
-    "MAKEFLAGS": "-- NVCC_APPEND_FLAGS=",
+    "MAKEFLAGS": "-l2 -- NVCC_APPEND_FLAGS=",
     "CUDA_HOME": "/usr/local/cuda",
     "CPATH": "/usr/local/cuda/include/cccl",
     "LDFLAGS": "-Wl,-rpath,$ORIGIN/nvidia/nvshmem/lib",

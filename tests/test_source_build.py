@@ -186,6 +186,51 @@ def test_a_bare_make_j_is_bounded_by_max_jobs(tmp_path: Path) -> None:
     out = subprocess.run(["make", "-C", str(work), "-j", "all", "WHO=a b"], capture_output=True,
                          text=True, check=True, env={**env, **extra}).stdout  # fmt: skip
     assert "-j3 --jobserver-auth" in out and "[a b]" in out, out
+    assert " -l" not in out.split("--jobserver-auth")[0], out  # the declared load bound lifted
     assert source_build.bounded_make({**env, "MAX_JOBS": "x"}, tmp_path / "s2")[
         "EP_MAKE_JOBS"
     ] == str(os.cpu_count())
+
+
+def _busy_makefile(work: Path, jobs: int) -> Path:
+    """A Makefile of ``jobs`` targets, each busy on a CPU for 2 s, logging its start and end."""
+    work.mkdir(parents=True, exist_ok=True)
+    rules = [f"all: {' '.join(f't{i}' for i in range(jobs))}"]
+    for i in range(jobs):
+        rules.append(
+            f"t{i}:\n\t@echo start $$(date +%s.%N) >> log; "
+            "timeout 2 sh -c 'while :; do :; done'; echo end $$(date +%s.%N) >> log"
+        )
+    (work / "Makefile").write_text("\n".join(rules) + "\n")
+    return work
+
+
+def _most_at_once(log: Path) -> int:
+    events = sorted(
+        (float(t), 1 if kind == "start" else -1)
+        for kind, t in (line.split() for line in log.read_text().splitlines())
+    )
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_the_declared_makeflags_bound_a_bare_make_j_by_load(tmp_path: Path) -> None:
+    """A plain `uv sync --extra hybridep` hands setup.py's `make -j src.build` the declared
+    MAKEFLAGS, and no wrapper: its load bound keeps the bare -j from starting every job at once
+    (the load reached 130 on a 2-core machine). Unbounded, the same make starts all 24."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["uv"][
+        "extra-build-variables"
+    ]["deep-ep"]["MAKEFLAGS"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS")}
+    unbounded = _busy_makefile(tmp_path / "unbounded", 24)
+    subprocess.run(["make", "-C", str(unbounded), "-j", "all"], env=env, check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    assert _most_at_once(unbounded / "log") == 24
+    bounded = _busy_makefile(tmp_path / "bounded", 24)
+    subprocess.run(["make", "-C", str(bounded), "-j", "all"], env={**env, "MAKEFLAGS": declared},
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    assert _most_at_once(bounded / "log") <= 12, declared
