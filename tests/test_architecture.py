@@ -102,8 +102,8 @@ def test_nothing_edits_sys_path(path: Path) -> None:
 
 def test_no_import_circle_among_ep_image_modules() -> None:
     """Imports among ep_image's modules form no circle: each part stands above what it imports
-    (check_ep's shared types on its ground floor, ``check_ep/types.py``), so the order in which
-    modules load never decides whether a name exists yet."""
+    (the rank machinery's shared types on its ground floor, ``_ranks/types.py``), so the order in
+    which modules load never decides whether a name exists yet."""
     imports_of = {name: imported_modules(path.read_text()) for name, path in MODULE_NAMES.items()}
     graph = {name: set(targets) for name, targets in imports_of.items()}
     found = []
@@ -116,6 +116,32 @@ def test_no_import_circle_among_ep_image_modules() -> None:
         ]
         found.append("circle of " + ", ".join(circle) + "\n    " + "\n    ".join(ties))
     assert not found, "\n".join(found)
+
+
+def probe_of(module: str) -> str | None:
+    """The probe a module of ``ep_image.probes`` belongs to (``check_ep``, ``upstream_test``),
+    or None for the code the probes share (``_ranks``, ``_adapters``, ``_report``, ...)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["ep_image", "probes"] or parts[2].startswith("_"):
+        return None
+    return parts[2]
+
+
+PROBE_MODULES = [p for p in MODULES if room(module_name(p)) == "probes"]
+
+
+@pytest.mark.parametrize("path", PROBE_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_rank_probes_meet_only_in_shared_code(path: Path) -> None:
+    """check_ep and check_train run on the rank machinery (``_ranks``) and the backends'
+    adapters (``_adapters``) as equals: neither imports the other, and the code the probes
+    share (a module or package with a leading underscore) imports no probe."""
+    own = probe_of(module_name(path))
+    probes = {probe_of(name) for name in imports(path)} - {None, own}
+    if own is None:
+        assert not probes, f"{path.relative_to(ROOT)} (shared) imports the probes {probes}"
+    elif own in ("check_ep", "check_train"):
+        other = ({"check_ep", "check_train"} - {own}).pop()
+        assert other not in probes, f"{path.relative_to(ROOT)} ({own}) imports {other}"
 
 
 def test_a_command_that_is_a_package_needs_its_main() -> None:
@@ -135,14 +161,14 @@ def test_the_circle_test_sees_function_level_imports_and_circles(tmp_path: Path)
     source = (
         "from typing import TYPE_CHECKING\n"
         "from ep_image.probes import _report\n"
-        "if TYPE_CHECKING:\n    from ep_image.probes.check_ep.types import Shape\n"
-        "def f():\n    from ep_image.probes.check_ep.steps import run_steps\n"
+        "if TYPE_CHECKING:\n    from ep_image.probes._adapters.base import Shape\n"
+        "def f():\n    from ep_image.probes._ranks.steps import run_steps\n"
         "    import ep_image.cli\n"
     )
     assert imported_modules(source) == {
         "ep_image.probes._report": {"*"},
-        "ep_image.probes.check_ep.types": {"Shape"},
-        "ep_image.probes.check_ep.steps": {"run_steps"},
+        "ep_image.probes._adapters.base": {"Shape"},
+        "ep_image.probes._ranks.steps": {"run_steps"},
         "ep_image.cli": {"*"},
     }
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"a"}}

@@ -22,10 +22,10 @@ from fake_installs import fake_deep_ep
 
 from ep_image import backends
 from ep_image.probes import _backend_detect
+from ep_image.probes._ranks.layer import CPU_DEFAULTS
 from ep_image.probes._report import Status
-from ep_image.probes.check_ep.layer import CPU_DEFAULTS
 from ep_image.probes.check_ep.scenarios.catalogue import NAMES as SCENARIOS
-from ep_image.probes.check_ep.types import STEP_NAMES
+from ep_image.probes.check_ep.steps import STEP_NAMES
 
 PROBE = "ep_image.probes.check_ep"
 
@@ -371,7 +371,7 @@ def test_v1_installed_without_gpu_is_skipped(tmp_path: Path) -> None:
         (
             ["--backend-class", f"{BROKEN}:NotABackend"],
             0,
-            "is not a subclass of ep_image.probes.check_ep.adapters.base.EPBackend",
+            "is not a subclass of ep_image.probes._adapters.base.EPBackend",
         ),
         (["--backend-class", "no/such/file.py:X"], 0, "file not found"),
         (["--backend", "torch", "--dtype", "float64"], 0, "invalid choice"),
@@ -637,13 +637,13 @@ def test_reference_catches_swapped_payload_and_wrong_expert() -> None:
     """check_dispatch, fed by hand: exact input passes, each single fault is named."""
     import torch
 
+    from ep_image.probes._adapters.base import Dispatched, Shape
     from ep_image.probes.check_ep.reference import (
         GlobalRouting,
         check_dispatch,
         expected_for_rank,
         make_inputs,
     )
-    from ep_image.probes.check_ep.types import Dispatched, Shape
 
     cpu = torch.device("cpu")
     shape = Shape(tokens=16, hidden=16, experts=8, topk=2, dtype=torch.float32, device=cpu)
@@ -699,7 +699,7 @@ def test_hybridep_routing_map_conversion() -> None:
     """The HybridEP adapter's map -> top-k conversion (pure torch, so it is testable here)."""
     import torch
 
-    from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import _routing_map_to_topk
+    from ep_image.probes._adapters.hybrid_ep_buffer import _routing_map_to_topk
 
     routing = torch.tensor([[True, False, True], [False, False, True], [False, False, False]])
     probs = torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.75], [0.0, 0.0, 0.0]])
@@ -724,8 +724,8 @@ def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None
     """DeepEP v2 compiles its kernels at first dispatch into EP_JIT_CACHE_DIR (~/.deep_ep): the
     report says where, whether it was warm, and whether GIN was turned off (measured on the
     H200: 36 s cold, 21 s warm, docs/probe-results.md)."""
-    from ep_image.probes.check_ep import gates
-    from ep_image.probes.check_ep.adapters.elastic_buffer import jit_cache_facts
+    from ep_image.probes._adapters.elastic_buffer import jit_cache_facts
+    from ep_image.probes._ranks import gates
 
     cache = tmp_path / "jit"
     (cache / "kernels").mkdir(parents=True)
@@ -753,7 +753,7 @@ def test_a_backend_class_file_may_define_dataclasses(tmp_path: Path) -> None:
     source.write_text(
         "from __future__ import annotations\n"
         "import dataclasses\n"
-        "from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend\n"
+        "from ep_image.probes._adapters.torch_reference import TorchBackend\n"
         "@dataclasses.dataclass\n"
         "class Tally:\n"
         "    calls: int = 0\n"

@@ -229,7 +229,7 @@ def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
     The probe used to put every rank whose LOCAL_RANK was past the visible GPU count on the
     CPU: here ranks 1-7, which then handed host tensors to a GPU backend.
     """
-    from ep_image.probes.check_ep.ranks import decide_placement
+    from ep_image.probes._ranks.runtime import decide_placement
 
     views = facts(*[(1, f"GPU-{i}") for i in range(8)])
     for rank in range(8):
@@ -239,7 +239,7 @@ def test_one_gpu_per_rank_bound_by_slurm_runs_every_rank_on_its_gpu() -> None:
 
 
 def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
-    from ep_image.probes.check_ep.ranks import decide_placement
+    from ep_image.probes._ranks.runtime import decide_placement
 
     views = facts((1, "GPU-0"), (1, "GPU-0"))
     refused = decide_placement(views, 1, wants_gpu=True, ranks_per_gpu=1)
@@ -254,7 +254,7 @@ def test_ranks_sharing_a_gpu_need_the_flag_and_then_use_gloo() -> None:
 
 
 def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu() -> None:
-    from ep_image.probes.check_ep.ranks import decide_placement
+    from ep_image.probes._ranks.runtime import decide_placement
 
     views = facts((1, "GPU-0"), (0, None))
     for rank in (0, 1):
@@ -264,7 +264,7 @@ def test_a_rank_without_a_gpu_stops_every_rank_instead_of_running_alone_on_cpu()
 
 
 def test_eight_ranks_on_eight_visible_gpus_are_exclusive() -> None:
-    from ep_image.probes.check_ep.ranks import decide_placement
+    from ep_image.probes._ranks.runtime import decide_placement
 
     views = [{"rank": r, "host": "n", "gpus": 8, "index": r, "uuid": f"GPU-{r}"} for r in range(8)]
     place = decide_placement(views, 5, wants_gpu=True, ranks_per_gpu=1)
@@ -439,8 +439,8 @@ def test_a_jit_cache_with_a_kernel_others_can_write_is_refused(check_ep, tmp_pat
 def deepep_v2_cache_check(cache_env: dict[str, str], monkeypatch: pytest.MonkeyPatch):
     """The prerequisites' cache check on DeepEP v2's own adapter, whose jit_cache_dir reads
     EP_JIT_CACHE_DIR, else ~/.deep_ep (deep_ep itself is not imported)."""
-    from ep_image.probes.check_ep import gates
-    from ep_image.probes.check_ep.adapters.elastic_buffer import DeepEPv2Backend
+    from ep_image.probes._adapters.elastic_buffer import DeepEPv2Backend
+    from ep_image.probes._ranks import gates
 
     monkeypatch.delenv("EP_JIT_CACHE_DIR", raising=False)
     for name, value in cache_env.items():
@@ -566,7 +566,7 @@ def test_the_jit_adapters_declare_what_their_jit_runs_from_the_cuda_home() -> No
     """ElasticBuffer's JIT runs nvcc, then cuobjdump on every kernel it loads
     (csrc/jit/kernel_runtime.hpp); HybridEPBuffer's runs only $CUDA_HOME/bin/nvcc
     (csrc/hybrid_ep/jit/compiler.cu at e0a5b1d9)."""
-    from ep_image.probes.check_ep.adapters.plugins import ADAPTERS
+    from ep_image.probes._adapters.plugins import ADAPTERS
 
     elastic, hybrid = ADAPTERS["deep_ep", "ElasticBuffer"], ADAPTERS["deep_ep", "HybridEPBuffer"]
     assert elastic.jit_tools == ("nvcc", "cuobjdump")

@@ -163,9 +163,9 @@ def test_offsets_cancel_within_each_node_and_no_partial_sum_does(
 
 def _contributions(world: int, dtype: torch.dtype, cancel: bool) -> list[torch.Tensor]:
     """Every rank's stand-in output for one rank's random tokens, as combine receives them."""
+    from ep_image.probes._adapters.base import Shape
     from ep_image.probes.check_ep.reference.inputs import expert_scales
     from ep_image.probes.check_ep.reference.precision import contribution, make_random_inputs
-    from ep_image.probes.check_ep.types import Shape
 
     local = 2
     shape = Shape(256, 128, world * local, min(8, world * local), dtype, torch.device("cpu"))

@@ -245,7 +245,7 @@ def test_scenario_names_parse() -> None:
 
 
 def _shape(tokens: int, hidden: int, experts: int, topk: int, dtype=torch.bfloat16):
-    from ep_image.probes.check_ep.types import Shape
+    from ep_image.probes._adapters.base import Shape
 
     return Shape(tokens, hidden, experts, topk, dtype, torch.device("cpu"))
 
@@ -323,10 +323,7 @@ def test_the_output_contract_names_dtype_shape_and_layout() -> None:
 def test_hybridep_gets_dropped_slots_as_a_routing_map() -> None:
     """HybridEP's index API scatters topk_idx (-1 out of range); the adapter passes the
     routing map its dispatch also takes, equal to HybridEP's own indices_to_map elsewhere."""
-    from ep_image.probes.check_ep.adapters.hybrid_ep_buffer import (
-        HybridEPBackend,
-        _topk_to_routing_map,
-    )
+    from ep_image.probes._adapters.hybrid_ep_buffer import HybridEPBackend, _topk_to_routing_map
 
     idx = torch.tensor([[0, 3], [-1, 2], [-1, -1]])
     w = torch.tensor([[0.25, 0.5], [0.75, 1.0], [0.5, 0.5]])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from conftest import BROKEN, run_probe_in
 
-from ep_image.probes.check_ep import stall
+from ep_image.probes._ranks import stall
 
 SMALL = ["--tokens", "64", "--hidden", "64", "--experts", "16", "--topk", "4"]
 QUICK = ["--iters", "3", "--warmup", "1", "--scenarios", "none"]

@@ -28,10 +28,10 @@ from conftest import FIXTURES, ROOT, clean_env, run_probe_in
 from ep_image import backends, child_env
 from ep_image.probes.check_train import all_backends, cli, loop, verdicts
 from ep_image.probes.check_train.recompute import HASHES, Fingerprint, finding_of
+from ep_image.probes.check_train.steps import STEP_NAMES
 from ep_image.probes.check_train.types import (
     SPEED_PAIRS,
     SPEED_WARMUP_PAIRS,
-    STEP_NAMES,
     agreement_bound,
     lr_for,
 )
@@ -769,6 +769,6 @@ def test_all_backends_starts_each_backend_at_the_ranks_it_needs() -> None:
 
 def test_the_registry_says_what_deepep_v1s_adapter_runs_at() -> None:
     """The ranks --all-backends starts DeepEP v1 at are the ones its adapter accepts."""
-    from ep_image.probes.check_ep.adapters.buffer import DeepEPv1Backend
+    from ep_image.probes._adapters.buffer import DeepEPv1Backend
 
     assert backends.spec("deepep_v1").world_sizes == DeepEPv1Backend.world_sizes

@@ -702,7 +702,7 @@ def test_the_cache_loads_only_the_standard_library():
 
 def test_the_buffer_step_says_off_not_none_when_the_cache_is_off(tmp_path: Path):
     """A run with EP_HYBRIDEP_JIT_CACHE=off read "JIT cache None off, 0 kernel(s) before"."""
-    from ep_image.probes.check_ep.gates import jit_cache_note
+    from ep_image.probes._ranks.gates import jit_cache_note
 
     env = {"EP_HYBRIDEP_JIT_CACHE": "off", "HYBRID_EP_CACHE_DIR": str(tmp_path)}
     off = jit.prepare(env, at_exit=False)

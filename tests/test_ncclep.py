@@ -128,7 +128,7 @@ PREREQUISITES = """
 import json, sys
 from ep_image.probes._report import StepFailed
 from ep_image import trust
-from ep_image.probes.check_ep.adapters import plugins
+from ep_image.probes._adapters import plugins
 backend = plugins.BUILTIN[sys.argv[1]]()
 try:
     backend.load()

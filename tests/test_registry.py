@@ -188,7 +188,7 @@ def test_make_venv_refuses_a_variant_of_another_backend(tmp_path: Path) -> None:
 def test_each_backend_has_the_adapter_of_its_api() -> None:
     """check_ep's adapters are keyed by the API (module and class) they drive; the registry
     says which backend ships which, so a backend's name is written in its module only."""
-    from ep_image.probes.check_ep.adapters import plugins
+    from ep_image.probes._adapters import plugins
 
     for spec in backends.SPECS:
         adapter = plugins.BUILTIN[spec.name]

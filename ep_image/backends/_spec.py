@@ -71,7 +71,7 @@ class BackendSpec:
     #: A path inside the module's directory that only this backend's layout ships.
     layout_marker: str
     #: The class of ``module`` the probes drive (the adapter that speaks its API, chosen in
-    #: ep_image/probes/check_ep/adapters/plugins.py by module and class): "Buffer",
+    #: ep_image/probes/_adapters/plugins.py by module and class): "Buffer",
     #: "ElasticBuffer", "HybridEPBuffer" of ``deep_ep``; "Group" of ``nccl.ep``.
     api: str
     #: The Python module it ships, as imported: DeepEP's ``deep_ep`` (shared by DeepEP's

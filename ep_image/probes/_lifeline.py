@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-#: Set by the probe's own launcher (check_ep/launch.py): its pid, and the job's directory (the
+#: Set by the probe's own launcher (_ranks/launch.py): its pid, and the job's directory (the
 #: ranks' TMPDIR, its torchelastic logs, the exit-code file), which the last process removes.
 LAUNCHER_PID_ENV = "EP_PROBE_LAUNCHER_PID"
 JOB_DIR_ENV = "EP_PROBE_JOB_DIR"

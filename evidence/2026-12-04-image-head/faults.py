@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.adapters.plugins import BUILTIN
+from ep_image.probes._adapters.plugins import BUILTIN
 
 DeepEPv1 = BUILTIN["deepep_v1"]
 FAULTY_RANK = 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ep_image.probes.check_ep.adapters.plugins import BUILTIN
+from ep_image.probes._adapters.plugins import BUILTIN
 
 
 class HybridEPOwnCache(BUILTIN["hybridep"]):

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from ep_image.probes.check_ep.adapters.plugins import BUILTIN
+from ep_image.probes._adapters.plugins import BUILTIN
 
 
 class HybridEPOwnCacheKept(BUILTIN["hybridep"]):

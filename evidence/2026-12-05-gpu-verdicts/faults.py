@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ep_image.probes.check_ep.adapters.plugins import BUILTIN
-from ep_image.probes.check_ep.types import Dispatched
+from ep_image.probes._adapters.base import Dispatched
+from ep_image.probes._adapters.plugins import BUILTIN
 
 BASE_NAME = os.environ.get("EP_FAULT_BASE", "deepep_v2")
 Base = BUILTIN[BASE_NAME]

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.adapters.plugins import BUILTIN
-from ep_image.probes.check_ep.types import Shape
+from ep_image.probes._adapters.base import Shape
+from ep_image.probes._adapters.plugins import BUILTIN
 
 
 def routing(tokens: int, experts: int, topk: int, seed: int, device: Any) -> tuple[Any, Any]:

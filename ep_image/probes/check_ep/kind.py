@@ -1,17 +1,21 @@
-"""check_ep as a :class:`ProbeKind`: what its launcher, supervisors, worker and report run.
+"""check_ep as a :class:`ProbeKind`: what the rank machinery's launcher, supervisors, worker and
+report run for it.
 
-Why this module exists: the rank machinery (launch, supervisor, worker, output) serves more
-than one probe; this is check_ep's entry in it, kept apart so that none of those modules
-imports check_ep's own steps (they load ``run_steps`` by name, in the backend process).
+Why this module exists: the rank machinery (``_ranks``) serves more than one probe; this is
+check_ep's entry in it: its steps (``steps.STEPS``, whose checks import torch only when they
+run), its layer's shape, its report's own fields and its table's header.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ep_image.probes.check_ep import layer, output
+from ep_image.probes._ranks import layer
+from ep_image.probes._ranks.types import ProbeKind
+from ep_image.probes.check_ep import report
+from ep_image.probes.check_ep.options import PROG, Options
 from ep_image.probes.check_ep.scenarios.catalogue import SCENARIO_TOKENS, scenario_seed
-from ep_image.probes.check_ep.types import CHECK_STEPS, PROG, STEP_NAMES, Options, ProbeKind
+from ep_image.probes.check_ep.steps import CHECK_STEPS, STEPS, CheckRun
 
 
 def default_dtype(on_gpu: bool) -> str:
@@ -35,12 +39,14 @@ CHECK_EP = ProbeKind(
     prog=PROG,
     front_door="probes/check_ep.py",
     module="ep_image.probes.check_ep",
-    step_names=STEP_NAMES,
-    run_steps="ep_image.probes.check_ep.steps:run_steps",
+    steps=STEPS,
+    run_type=CheckRun,
     sizes=layer.layer_sizes,
     default_dtype=default_dtype,
     meta=meta,
-    header=output.header_lines,
-    numbers=output.numbers,
+    header=report.header,
+    numbers=report.numbers,
     judged=CHECK_STEPS,
+    notes=report.notes,
+    unfinished=report.unfinished,
 )

@@ -22,15 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from ep_image import backends, child_env, cli
+from ep_image.probes._ranks.launch import strip_flag
 from ep_image.probes._report import (
     EXIT_UNUSABLE,
     RESULT_WORDS,
     merge_exit_codes,
     write_report,
 )
-from ep_image.probes.check_ep.launch import strip_flag
 from ep_image.probes.check_train.children import Keeper, stop_on_signals
-from ep_image.probes.check_train.types import PROG, STEP_NAMES, TrainOptions
+from ep_image.probes.check_train.steps import STEP_NAMES
+from ep_image.probes.check_train.types import PROG, TrainOptions
 
 DEFAULT_PREFIX = "/opt/venvs"
 

@@ -2,8 +2,8 @@
 process's part: the local ranks, one rank, or (``--all-backends``) one run per backend venv.
 
 Why this module exists: argparse's output is read and checked here once, before any work (bad
-usage is one line and exit 2); the rank machinery is check_ep's (``supervisor.run``), with
-check_train's kind.
+usage is one line and exit 2); the rank machinery (``_ranks``: its shared flags, then
+``supervisor.run``) runs it, with check_train's kind.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import math
 from collections.abc import Sequence
 
 from ep_image import cli
-from ep_image.probes.check_ep import cli as ep_cli
-from ep_image.probes.check_ep import supervisor
+from ep_image.probes._ranks import cli as rank_cli
+from ep_image.probes._ranks import supervisor
 from ep_image.probes.check_train.kind import CHECK_TRAIN
+from ep_image.probes.check_train.steps import STEP_NAMES
 from ep_image.probes.check_train.types import (
     CPU_DEFAULTS,
     GPU_DEFAULTS,
     LR_TIMES_HIDDEN,
     MAX_LR,
     PROG,
-    STEP_NAMES,
     TrainOptions,
 )
 
@@ -61,7 +61,7 @@ exit codes (all ranks agree):
   (it raised or crashed)   4 backend (or TE with --te on) missing   5 cannot run here (skipped)
 """,
     )
-    ep_cli.add_backend_flags(parser)
+    rank_cli.add_backend_flags(parser)
     parser.add_argument(
         "--all-backends",
         action="store_true",
@@ -74,7 +74,7 @@ exit codes (all ranks agree):
         metavar="DIR",
         help="where --all-backends finds the venvs (default: $EP_PREFIX, else /opt/venvs)",
     )
-    shape = ep_cli.add_shape_flags(
+    shape = rank_cli.add_shape_flags(
         parser,
         "model shape (defaults: GPU 4096/1024/32/4, CPU 256/64/8/2; tokens per rank and step)",
     )
@@ -116,11 +116,11 @@ exit codes (all ranks agree):
         choices=("auto", "bfloat16", "float32"),
         help="compute dtype (weights stay fp32); auto: bfloat16 (default: auto)",
     )
-    ep_cli.add_device_flag(parser)
+    rank_cli.add_device_flag(parser)
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the weights and batches (default: 0)"
     )
-    ep_cli.add_run_flags(parser)
+    rank_cli.add_run_flags(parser)
     _own_help(
         parser,
         "--ranks-per-gpu",
@@ -133,7 +133,7 @@ exit codes (all ranks agree):
 
 
 def _own_help(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
-    """Replace the help of a flag check_ep's helpers added: theirs may name check_ep's own
+    """Replace the help of a flag the shared helpers added: theirs may name check_ep's own
     flags (``--min-gbs``), which this command does not take."""
     for action in parser._actions:
         if flag in action.option_strings:
@@ -145,7 +145,7 @@ def _own_help(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
 def parse_options(argv: Sequence[str] | None) -> TrainOptions:
     """The command line as checked :class:`TrainOptions`; bad usage raises ``cli.UsageError``."""
     args = build_parser().parse_args(argv)
-    world = ep_cli.launch_world(args)
+    world = rank_cli.launch_world(args)
     for name in ("layers", "steps", "seq", "heads"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -163,7 +163,7 @@ def parse_options(argv: Sequence[str] | None) -> TrainOptions:
     if args.prefix and not args.all_backends:
         raise cli.UsageError("--prefix is where --all-backends looks; pass --all-backends too")
     return TrainOptions(
-        **ep_cli.run_options_of(args, world),
+        **rank_cli.run_options_of(args, world),
         layers=args.layers,
         steps=args.steps,
         seq=args.seq,
@@ -187,4 +187,4 @@ def run(options: TrainOptions, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``check-train`` command."""
-    return ep_cli.run_main(PROG, parse_options, run, argv)
+    return rank_cli.run_main(PROG, parse_options, run, argv)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.adapters.base import EPBackend
+from ep_image.probes._adapters.base import EPBackend
 from ep_image.probes.check_train.model import Experts
 from ep_image.probes.check_train.recompute import Fingerprint, RecomputeLedger
 

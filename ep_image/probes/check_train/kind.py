@@ -1,9 +1,9 @@
-"""check_train as a :class:`ProbeKind` of check_ep's rank machinery, with its model's shape.
+"""check_train as a :class:`ProbeKind` of the rank machinery, with its model's shape.
 
 Why this module exists: the launcher, the supervisors, placement, the gates and the report of a
-run that did not finish are check_ep's, shared; this says what check_train adds to them (its
-steps, its shape and defaults, its table's header and the report's headline numbers) without
-importing torch.
+run that did not finish are the rank machinery's (``_ranks``), shared with check_ep; this says
+what check_train adds to them (its steps, its shape and defaults, its table's header and the
+report's headline numbers) without importing torch.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from ep_image.cli import UsageError
-from ep_image.probes.check_ep import layer
-from ep_image.probes.check_ep.output import header_lines
-from ep_image.probes.check_ep.ranks import RankEnv
-from ep_image.probes.check_ep.types import ProbeKind, Selection
+from ep_image.probes._ranks import layer
+from ep_image.probes._ranks.output import header_lines
+from ep_image.probes._ranks.runtime import RankEnv
+from ep_image.probes._ranks.types import ProbeKind, Selection
+from ep_image.probes.check_train.steps import STEPS, TrainRun
 from ep_image.probes.check_train.types import (
     CPU_DEFAULTS,
     GPU_DEFAULTS,
     PROG,
-    STEP_NAMES,
     VOCAB,
     TrainOptions,
     agreement_bound,
@@ -31,7 +31,7 @@ _LAYER_KEYS = ("tokens", "hidden", "experts", "topk")
 
 def model_sizes(options: TrainOptions, on_gpu: bool, world: int) -> dict[str, int]:
     """The model's shape: each size not given on the command line from the device's defaults,
-    checked (the layer's sizes by check_ep's rules, then the model's own)."""
+    checked (the layer's sizes by every rank probe's rules, then the model's own)."""
     defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
     sizes = layer.layer_sizes(
         options,
@@ -114,7 +114,7 @@ def meta(options: TrainOptions, sizes: dict[str, int]) -> dict[str, Any]:
 
 
 def header(sel: Selection, env: RankEnv, meta_: dict[str, Any]) -> list[str]:
-    """The table's header: check_ep's, with the model's depth, steps and checkpointing."""
+    """The table's header: every rank probe's, with the model's depth, steps and checkpointing."""
     lines = header_lines(sel, env, meta_)
     shape, training = meta_.get("shape"), meta_.get("training")
     if shape and training:
@@ -185,8 +185,8 @@ CHECK_TRAIN = ProbeKind(
     prog=PROG,
     front_door="probes/check_train.py",
     module="ep_image.probes.check_train",
-    step_names=STEP_NAMES,
-    run_steps="ep_image.probes.check_train.steps:run_steps",
+    steps=STEPS,
+    run_type=TrainRun,
     sizes=model_sizes,
     default_dtype=default_dtype,
     meta=meta,

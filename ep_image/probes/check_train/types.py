@@ -1,5 +1,5 @@
-"""The ground floor of check_train: its options, the model's shape and defaults, the order of
-its steps, and the bound its comparisons hold.
+"""The ground floor of check_train: its options, the model's shape and defaults, and the bound
+its comparisons hold.
 
 Why this module exists: the command line, the model, the training loop and the verdicts all
 speak of these; defined here, without torch and below every other part of check_train, they
@@ -10,27 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ep_image.probes.check_ep.types import RunOptions
+from ep_image.probes._ranks.types import RunOptions
 
 #: The probe's name in its table, its JSON report and its messages.
 PROG = "check_train"
-
-#: The steps in the order they run: check_ep's three gates, then the model, the fallback's
-#: training (the oracle), the backend's, the verdicts drawn from them, and the libraries the
-#: process mapped with everything loaded.
-STEP_NAMES = (
-    "import",
-    "prerequisites",
-    "buffer",
-    "model",
-    "fallback",
-    "train",
-    "recompute",
-    "agreement",
-    "memory",
-    "speed",
-    "libraries",
-)
 
 #: The model on a GPU: a small MoE transformer at a size where the exchange matters.
 GPU_DEFAULTS = {

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._ranks.runtime import Runtime, agree, sync
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks.context import (
     CheckContext,
     bound_text,
@@ -19,7 +20,6 @@ from ep_image.probes.check_ep.checks.context import (
     safely,
     zero_rows,
 )
-from ep_image.probes.check_ep.ranks import Runtime, agree, sync
 
 
 def _autograd_functions(problems: list[str]) -> tuple[Any, Any]:

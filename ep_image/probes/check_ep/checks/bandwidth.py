@@ -13,9 +13,10 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._ranks.runtime import ONE_RANK_LABEL, SHARED_GPU_LABEL, Runtime, agree
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks import slow_path
 from ep_image.probes.check_ep.checks.context import (
     CheckContext,
@@ -25,13 +26,7 @@ from ep_image.probes.check_ep.checks.context import (
     zero_rows,
 )
 from ep_image.probes.check_ep.checks.timing import bench
-from ep_image.probes.check_ep.ranks import (
-    ONE_RANK_LABEL,
-    SHARED_GPU_LABEL,
-    Runtime,
-    agree,
-)
-from ep_image.probes.check_ep.types import Options
+from ep_image.probes.check_ep.options import Options
 
 
 def step_bandwidth(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: Options) -> Step:

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ep_image.probes._adapters.base import Shape
+from ep_image.probes._ranks.runtime import Runtime
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.ranks import Runtime
-from ep_image.probes.check_ep.types import Options, Shape
+from ep_image.probes.check_ep.options import Options
 
 T = TypeVar("T")
 

@@ -7,9 +7,10 @@ backend routes every token to the ranks of its experts and sums the experts' out
 
 from __future__ import annotations
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._ranks.runtime import Runtime, agree, sync
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks.context import (
     CheckContext,
     bound_text,
@@ -19,7 +20,6 @@ from ep_image.probes.check_ep.checks.context import (
     safely,
     zero_rows,
 )
-from ep_image.probes.check_ep.ranks import Runtime, agree, sync
 
 
 def step_dispatch_combine(rt: Runtime, backend: EPBackend, ctx: CheckContext) -> Step:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._ranks.runtime import Runtime, agree, sync
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks.context import CheckContext, rows_of, safely, zero_rows
-from ep_image.probes.check_ep.ranks import Runtime, agree, sync
+from ep_image.probes.check_ep.options import Options
 from ep_image.probes.check_ep.reference.precision import ranks_reached
-from ep_image.probes.check_ep.types import Options
 
 HINT = (
     "the backend is right for exact inputs only: a sum kept in the tokens' dtype instead of "

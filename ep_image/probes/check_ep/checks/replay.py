@@ -7,11 +7,11 @@ metadata"); a race shows here too.
 
 from __future__ import annotations
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._ranks.runtime import Runtime, agree, sync
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks.context import CheckContext, rows_of, safely
-from ep_image.probes.check_ep.ranks import Runtime, agree, sync
 
 
 def step_replay(rt: Runtime, backend: EPBackend, ctx: CheckContext, replays: int) -> Step:

@@ -7,13 +7,13 @@ so a failure names the scenario, the rank and the seed that reproduces it.
 
 from __future__ import annotations
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._ranks.runtime import Runtime, agree
 from ep_image.probes._report import Status, Step, StepFailed, one_line, timed_step
-from ep_image.probes.check_ep.adapters.base import EPBackend
 from ep_image.probes.check_ep.checks.context import CheckContext
-from ep_image.probes.check_ep.ranks import Runtime, agree
+from ep_image.probes.check_ep.options import Options
 from ep_image.probes.check_ep.scenarios import catalogue as scen
 from ep_image.probes.check_ep.scenarios import runner, verdict
-from ep_image.probes.check_ep.types import Options
 
 
 def step_scenarios(rt: Runtime, backend: EPBackend, ctx: CheckContext, options: Options) -> Step:

@@ -14,14 +14,14 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._adapters.torch_reference import TorchBackend
+from ep_image.probes._ranks.runtime import Runtime
 from ep_image.probes.check_ep import reference as ref
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend
 from ep_image.probes.check_ep.checks.call_memory import CallMemory
 from ep_image.probes.check_ep.checks.context import CheckContext, expert_output_of
 from ep_image.probes.check_ep.checks.timing import Timing, bench
-from ep_image.probes.check_ep.ranks import Runtime
-from ep_image.probes.check_ep.types import Options
+from ep_image.probes.check_ep.options import Options
 
 #: The reference path's calls: enough for a median, few enough to keep the probe's time.
 REFERENCE_WARMUP = 1

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ep_image.probes import _supervise
+from ep_image.probes._ranks.runtime import Runtime, sync
 from ep_image.probes.check_ep.checks.call_memory import CallMemory, measure
-from ep_image.probes.check_ep.ranks import Runtime, sync
 
 
 @dataclasses.dataclass

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ep_image.probes._adapters.base import Dispatched
 from ep_image.probes.check_ep.reference.expected import (
     Expected,
     GlobalRouting,
@@ -22,7 +23,6 @@ from ep_image.probes.check_ep.reference.expected import (
 )
 from ep_image.probes.check_ep.reference.inputs import scale_payload
 from ep_image.probes.check_ep.reference.precision import calc_diff
-from ep_image.probes.check_ep.types import Dispatched
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.layer import ID_BASE, ID_COLUMNS
-from ep_image.probes.check_ep.ranks import all_gather_rows
+from ep_image.probes._adapters.torch_reference import all_gather_rows
+from ep_image.probes._ranks.layer import ID_BASE, ID_COLUMNS
 from ep_image.probes.check_ep.reference.inputs import Inputs, id_mask
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from ep_image.probes.check_ep.layer import ID_BASE, ID_COLUMNS
-from ep_image.probes.check_ep.types import Shape
+from ep_image.probes._adapters.base import Shape
+from ep_image.probes._ranks.layer import ID_BASE, ID_COLUMNS
 
 #: Bounds where the inputs cannot be exact (top-k above 36): per token, relative.
 TOLERANCE = {torch.float32: 5e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ep_image.probes.check_ep.layer import ID_BASE
+from ep_image.probes._adapters.base import Shape
+from ep_image.probes._ranks.layer import ID_BASE
 from ep_image.probes.check_ep.reference.inputs import Inputs, id_mask, mix_seed, uniform_routing
-from ep_image.probes.check_ep.types import Shape
 
 #: DeepEP's bounds (tests/test_intranode.py): calc_diff of combined tokens against the fp32
 #: reference, and of top-k weights.

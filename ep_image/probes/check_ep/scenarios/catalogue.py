@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.types import DROPPED_SLOTS, UNEVEN_TOKENS
+from ep_image.probes._adapters.base import DROPPED_SLOTS, UNEVEN_TOKENS, EPBackend
 
 #: Tokens per rank in a scenario: the layer's, up to this many (a multiple of 64, HybridEP's
 #: chunk size).

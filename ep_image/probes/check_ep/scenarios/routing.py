@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ep_image.probes._adapters.base import Shape
 from ep_image.probes.check_ep.reference.inputs import Router, uniform_routing
 from ep_image.probes.check_ep.scenarios.catalogue import Scenario
-from ep_image.probes.check_ep.types import Shape
 
 
 def skewed_routing(experts: int, topk: int, world: int) -> Router:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ep_image.probes import _supervise
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.ranks import PEER_WAIT_SECONDS, Runtime
+from ep_image.probes._adapters.base import EPBackend, Shape
+from ep_image.probes._ranks.runtime import PEER_WAIT_SECONDS, Runtime
 from ep_image.probes.check_ep.reference import (
     Expected,
     GlobalRouting,
@@ -63,7 +63,6 @@ from ep_image.probes.check_ep.scenarios.catalogue import (
 )
 from ep_image.probes.check_ep.scenarios.routing import router_of, zero_weights
 from ep_image.probes.check_ep.scenarios.verdict import result_of
-from ep_image.probes.check_ep.types import Shape
 
 
 @dataclasses.dataclass

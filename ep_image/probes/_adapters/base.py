@@ -1,12 +1,14 @@
-"""The expert-parallel backend interface the probe checks: :class:`EPBackend`.
+"""The expert-parallel backend interface the probes drive: :class:`EPBackend`, and what it
+speaks in (the layer's :class:`Shape`, the rows of :class:`Dispatched`, the input classes).
 
 Why this module exists: DeepEP v1 (``deep_ep.Buffer``), DeepEP v2 (``deep_ep.ElasticBuffer``),
 HybridEP (``deep_ep.HybridEPBuffer``) and NCCL EP (``nccl.ep.Group``) do the same job - send
 each token to the ranks that own its top-k experts (dispatch) and sum the experts' outputs back
-(combine) - through four different APIs. ``check_ep`` tests all of them with one set of
-checks, so each API is wrapped behind this interface, one adapter a module beside it, and a
-plain-torch reference backend (``torch_reference.TorchBackend``, all_gather based, like the
-slow fallback MoE code uses without DeepEP) lets every check run in CI over gloo on CPUs.
+(combine) - through four different APIs. ``check_ep`` checks all of them with one set of
+checks and ``check_train`` trains on them with one exchange, so each API is wrapped behind this
+interface, one adapter a module beside it, and a plain-torch reference backend
+(``torch_reference.TorchBackend``, all_gather based, like the slow fallback MoE code uses
+without DeepEP) lets every check run in CI over gloo on CPUs.
 
 The contract every adapter follows (DeepEP's "normal" non-expanded layout):
 
@@ -34,11 +36,11 @@ annotations name torch's types only.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ep_image.probes._report import Status
-from ep_image.probes.check_ep.types import Dispatched, Shape
 
 #: A prerequisite that is not met: (status, what is wrong, the fix).
 Problem = tuple[Status, str, str]
@@ -46,6 +48,40 @@ Problem = tuple[Status, str, str]
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+
+#: Inputs training presents that a backend's API may not take (``EPBackend.input_limits``).
+UNEVEN_TOKENS = "uneven_tokens"
+DROPPED_SLOTS = "dropped_slots"
+INPUT_CLASSES = {
+    UNEVEN_TOKENS: "ranks holding different numbers of tokens, 0 included",
+    DROPPED_SLOTS: "top-k slots with expert index -1 (dropped or padded)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The MoE layer the probe emulates; buffers are sized from it."""
+
+    tokens: int  # tokens per rank
+    hidden: int
+    experts: int  # experts over all ranks
+    topk: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def local_experts(self, world_size: int) -> int:
+        return self.experts // world_size
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """What a rank receives from dispatch (the layout: this module's docstring)."""
+
+    recv_x: torch.Tensor  # [rows, hidden]
+    recv_topk_idx: torch.Tensor  # [rows, k] local expert index or -1
+    recv_topk_weights: torch.Tensor  # [rows, k] float32
+    num_recv_per_expert: list[int]  # [local experts]
+    handle: Any
 
 
 class EPBackend(abc.ABC):
@@ -92,7 +128,8 @@ class EPBackend(abc.ABC):
 
     def jit_cache_dir(self) -> Path | None:
         """Where the backend loads compiled kernels from across processes, if anywhere: such a
-        directory must be writable by nobody but this user or root (gates.py checks it)."""
+        directory must be writable by nobody but this user or root (``_ranks/gates.py`` checks
+        it)."""
         return None
 
     def prerequisites(self) -> tuple[dict[str, Any], list[Problem]]:

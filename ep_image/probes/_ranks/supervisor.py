@@ -18,12 +18,12 @@ import time
 from typing import Any
 
 from ep_image.probes import _supervise
+from ep_image.probes._ranks import launch, output, preflight, stall, worker
+from ep_image.probes._ranks.board import Board
+from ep_image.probes._ranks.runtime import RankEnv
+from ep_image.probes._ranks.selection import select_backend
+from ep_image.probes._ranks.types import ProbeKind, RunOptions, not_run
 from ep_image.probes._report import EXIT_UNUSABLE, Step, exit_code_of
-from ep_image.probes.check_ep import launch, output, preflight, stall, worker
-from ep_image.probes.check_ep.board import Board
-from ep_image.probes.check_ep.ranks import RankEnv
-from ep_image.probes.check_ep.selection import select_backend
-from ep_image.probes.check_ep.types import ProbeKind, RunOptions, not_run
 
 
 def run(kind: ProbeKind, options: RunOptions, argv: list[str]) -> int:

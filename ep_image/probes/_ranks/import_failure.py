@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ep_image.probes import _venv_record
-from ep_image.probes.check_ep.types import RunOptions
+from ep_image.probes._ranks.types import RunOptions
 
 
 def outside_frames(failure: dict[str, Any]) -> list[str]:

@@ -12,9 +12,16 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.ranks import all_gather_rows
-from ep_image.probes.check_ep.types import Dispatched, Shape
+from ep_image.probes._adapters.base import Dispatched, EPBackend, Shape
+
+
+def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate the tensor ``t`` (same shape on every rank) from all ranks along dim 0."""
+    world = dist.get_world_size(group)
+    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t.contiguous(), group=group)
+    return out
 
 
 @dataclasses.dataclass

@@ -15,14 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.deep_ep_common import (
+from ep_image.probes._adapters.base import Dispatched, EPBackend, Shape
+from ep_image.probes._adapters.deep_ep_common import (
     RowsHandle,
     import_deep_ep,
     module_facts,
     pad_rows,
 )
-from ep_image.probes.check_ep.types import Dispatched, Shape
 
 
 def jit_cache_path(env: dict[str, str] | None = None) -> str:

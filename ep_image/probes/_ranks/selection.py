@@ -8,8 +8,8 @@ reported as missing in a second, and ``auto`` names what it found and why.
 from __future__ import annotations
 
 from ep_image.probes import _backend_detect
+from ep_image.probes._ranks.types import RunOptions, Selection
 from ep_image.probes._report import Status, Step
-from ep_image.probes.check_ep.types import RunOptions, Selection
 
 
 def select_backend(options: RunOptions) -> Selection:

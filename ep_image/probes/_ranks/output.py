@@ -1,10 +1,12 @@
-"""check_ep's verdict on paper: the table, the JSON report, and the report of a run that died.
+"""A rank probe's verdict on paper: the table, the JSON report, and the report of a run that
+died.
 
 Why this module exists: rank 0 speaks for the job. When every rank finishes, rank 0's
 backend process prints the table and writes the JSON. When one does not (a crash, an exit
 without a verdict, a hang, a launcher tearing the job down), rank 0's supervisor writes the
 same table and JSON from the breadcrumbs and the job's board, naming the rank and the step
-where it happened, so no failure ends without a report.
+where it happened, so no failure ends without a report. What only one probe reports (check_ep's
+scenarios and preconditions) comes from its ``ProbeKind`` (``notes``, ``unfinished``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import sys
 from typing import Any
 
 from ep_image.probes import _facts, _supervise, _venv_record
+from ep_image.probes._ranks import import_failure
+from ep_image.probes._ranks.runtime import SHARED_GPU_LABEL, RankEnv
+from ep_image.probes._ranks.types import ProbeKind, RunOptions, Selection, Unfinished, not_run
 from ep_image.probes._report import (
     Status,
     Step,
@@ -23,14 +28,10 @@ from ep_image.probes._report import (
     write_report,
 )
 from ep_image.probes._supervise import Outcome
-from ep_image.probes.check_ep import import_failure
-from ep_image.probes.check_ep.ranks import SHARED_GPU_LABEL, RankEnv
-from ep_image.probes.check_ep.scenarios import verdict
-from ep_image.probes.check_ep.scenarios.catalogue import BY_NAME, ERROR, FAIL, scenario_seed
-from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, not_run
 
 
 def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str]:
+    """The table's header every rank probe begins with: the backend, where it ran, the shape."""
     lines = [f"backend {sel.name} ({sel.how})"]
     where = f"world {env.world}"
     if env.nodes > 1:
@@ -46,10 +47,6 @@ def header_lines(sel: Selection, env: RankEnv, meta: dict[str, Any]) -> list[str
             f"tokens/rank {s['tokens']}, hidden {s['hidden']}, experts {s['experts']} "
             f"({s['experts'] // env.world}/rank), top-{s['topk']}, seed {meta.get('seed')}"
         )
-    scen = meta.get("scenarios")
-    if scen is not None:
-        chosen = ", ".join(scen["selected"]) or "none (--scenarios none)"
-        lines.append(f"scenarios {chosen} ({scen['tokens_per_rank']} tokens/rank)")
     return lines
 
 
@@ -75,12 +72,9 @@ def finish(
     # Which venv rank 0 ran in and what it took from outside it (every rank runs the same
     # interpreter and imports; rank 0 is the one that writes the report).
     extra.setdefault("environment", _venv_record.environment_facts())
-    # What the backend refused (a precondition, not a fault): beside the verdict, by name.
-    preconditions = [
-        p for step in steps for p in verdict.preconditions_of(step.data.get("scenarios", []))
-    ]
-    if preconditions:
-        extra.setdefault("preconditions", preconditions)
+    fields, note = kind.notes(sel, steps) if kind.notes is not None else ({}, "")
+    for key, value in fields.items():
+        extra.setdefault(key, value)
     report = build_report(
         kind.prog,
         steps,
@@ -95,67 +89,11 @@ def finish(
         **meta,
         **extra,
     )
-    note = "; ".join(
-        f"precondition: {sel.name}'s {verdict.describe(p)}" for p in extra.get("preconditions", [])
-    )
     table = render_table(kind.prog, kind.header(sel, env, meta), steps, code, one_line(note))
     print(table, flush=True)
     if options.json:
         write_report(options.json, report)
     return code
-
-
-def numbers(steps: list[Step]) -> dict[str, Any]:
-    """The headline numbers of the run, lifted out of the steps for easy reading."""
-    by_name = {s.name: s.data for s in steps}
-    out: dict[str, Any] = {}
-    dc = by_name.get("dispatch_combine", {})
-    for key in (
-        "received_per_rank",
-        "expected_per_rank",
-        "received_per_expert",
-        "max_rel_diff",
-        "tolerance",
-    ):
-        if key in dc:
-            out[key] = dc[key]
-    if "received_per_rank" not in out and "received" in dc:
-        out["received_per_rank"] = [dc["received"]]
-        out["expected_per_rank"] = [dc["expected"]]
-        out["received_per_expert"] = dc["per_expert"]
-        out["max_rel_diff"] = dc["rel_diff"]
-        out["tolerance"] = dc["tolerance"]
-    bw = by_name.get("backward", {})
-    if "max_grad_rel_diff" in bw or "grad_rel_diff" in bw:
-        out["max_grad_rel_diff"] = bw.get("max_grad_rel_diff", bw.get("grad_rel_diff"))
-    rp = by_name.get("replay", {})
-    if "rows_per_call_per_rank" in rp or "rows_per_call" in rp:
-        out["replay_rows_per_call"] = rp.get("rows_per_call_per_rank", [rp.get("rows_per_call")])
-    prec = by_name.get("precision", {})
-    if "max_calc_diff" in prec or "calc_diff" in prec:
-        out["precision_calc_diff"] = prec.get("max_calc_diff", prec.get("calc_diff"))
-        out["precision_weights_calc_diff"] = prec.get(
-            "max_weights_calc_diff", prec.get("weights_calc_diff")
-        )
-    if "accumulation_checked" in prec:
-        out["precision_accumulation_checked"] = prec["accumulation_checked"]
-    scen = by_name.get("scenarios", {})
-    if scen.get("scenarios"):
-        out["scenarios"] = {r["name"]: r["status"] for r in scen["scenarios"]}
-    band = by_name.get("bandwidth", {})
-    keys = ("dispatch_gbs", "combine_gbs", "copy_gbs", "dispatch_vs_copy", "combine_vs_copy")
-    split = ("dispatch_nvl_gbs", "dispatch_rdma_gbs", "combine_nvl_gbs", "combine_rdma_gbs")
-    for key in (*keys, *split):
-        if key in band:
-            value = band[key]
-            out[key] = value["mean"] if isinstance(value, dict) else value
-    if band.get("shared_gpu"):
-        out["bandwidth_note"] = SHARED_GPU_LABEL
-    slow = band.get("slow_path", {})
-    keys = ("dispatch_speedup_vs_reference", "combine_speedup_vs_reference")
-    keys += ("dispatch_peak_vs_payload", "combine_peak_vs_payload", "warnings")
-    out.update({f"slow_path_{k}": slow[k] for k in keys if k in slow})
-    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -281,36 +219,33 @@ def report_unfinished(
     outcomes: dict[int, dict[str, Any]],
 ) -> int:
     """Rank 0's supervisor: the table and JSON for a run that did not finish (exit 3; 1 when
-    the backend had returned wrong numbers before; the other steps' verdict when what ended it
-    was the backend refusing views by ending its process, a precondition)."""
+    the backend had returned wrong numbers before; what the probe reads in it otherwise,
+    ``ProbeKind.unfinished``: check_ep's scenarios step when the backend refused views by
+    ending its process, a precondition)."""
     found = primary_failure(outcomes)
     rank, failure = found if found is not None else (env.rank, own.to_json())
     names = kind.step_names
     current = failure.get("step") or names[0]
     done = [Step.from_json(obj) for obj in own.progress.get("steps", [])]
     index = names.index(current) if current in names else len(done)
-    refusal = None
-    if current == "scenarios":
-        refusal = verdict.process_end_refusal(failure, outcomes, rank)
-    if refusal is not None:
-        step = _refused_step(options, own, outcomes, rank, failure, refusal)
-    else:
-        first = current == names[0]
-        step = _unfinished_step(options, env, own, outcomes, rank, failure, current, first, done)
+    first = current == names[0]
+    step = _unfinished_step(options, env, own, outcomes, rank, failure, current, first, done)
+    if kind.unfinished is not None:
+        step = kind.unfinished(step, Unfinished(options, own, outcomes, rank, failure))
     steps = [*done[:index], step, *(not_run(n, step) for n in names[index + 1 :])]
     code = exit_code_of(steps, options.require, kind.judged)
     if own.fault_log:
         print(own.fault_log.rstrip(), file=sys.stderr)
     sel.name = own.progress.get("backend", sel.name)
     meta = own.progress.get("meta", {})
-    ranks = [{"rank": r, **_lean(outcomes[r])} for r in sorted(outcomes)]
+    ranks = [{"rank": r, **lean(outcomes[r])} for r in sorted(outcomes)]
     environment = import_failure.environment(own.progress, failure)
     return finish(
         kind, options, env, sel, steps, meta, code, rank_outcomes=ranks, environment=environment
     )
 
 
-def _lean(outcome: dict[str, Any]) -> dict[str, Any]:
+def lean(outcome: dict[str, Any]) -> dict[str, Any]:
     """An outcome for the report, without the breadcrumbs the report holds elsewhere."""
     return {k: v for k, v in outcome.items() if k not in ("scenario_results", "scenario_found")}
 
@@ -365,20 +300,11 @@ def _unfinished_step(
         hint=raised.get("hint") or hint,
         data={
             **raised.get("data", {}),
-            "failure": {"rank": rank, **_lean({k: v for k, v in failure.items() if k != "raised"})},
+            "failure": {"rank": rank, **lean({k: v for k, v in failure.items() if k != "raised"})},
         },
     )
     if wrong_before and step.status == Status.ERROR:
         step.data["wrong_data"] = True  # the verdict stays "failed" (exit_code_of)
-    if current == "scenarios":
-        if not raised:
-            name = str(failure.get("scenario") or "").split(":", 1)[0]
-            crashed: dict[str, Any] = {"name": name, "status": ERROR, "detail": detail}
-            if (failure.get("scenario_found") or {}).get("problems"):
-                crashed.update(problems=failure["scenario_found"]["problems"], wrong_data=True)
-            step.data["scenarios"] = [*_finished_scenarios(outcomes), crashed]
-        if step.status == Status.ERROR and verdict.wrong_data(step.data.get("scenarios", [])):
-            step.data["wrong_data"] = True  # the verdict stays "failed" (exit_code_of)
     static = next((d.data.get("static_libstdcxx") for d in done if d.name == "prerequisites"), None)
     if failure["how"] == "signal" and static:
         step.hint = (
@@ -388,50 +314,3 @@ def _unfinished_step(
             "the system compiler: CC=/usr/bin/gcc CXX=/usr/bin/g++"
         )
     return step
-
-
-def _finished_scenarios(outcomes: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The scenarios every rank finished before its process ended or was stopped, merged
-    over the ranks whose breadcrumbs hold them."""
-    ranks = [r for r in sorted(outcomes) if outcomes[r].get("scenario_results")]
-    lists = [outcomes[r]["scenario_results"] for r in ranks]
-    return verdict.merge_results(lists, ranks) if lists else []
-
-
-def _refused_step(
-    options: RunOptions,
-    own: Outcome,
-    outcomes: dict[int, dict[str, Any]],
-    rank: int,
-    failure: dict[str, Any],
-    refusal: dict[str, Any],
-) -> Step:
-    """The scenarios step when the backend ended a rank's process in ``views`` when handed
-    views: the scenarios before keep their verdicts, ``views`` is a precondition (with what it
-    found before, wrong numbers included), and the step's status is theirs."""
-    found = failure.get("scenario_found") or {}
-    refusals = [*found.get("preconditions", []), refusal]
-    views = {"name": "views", "seed": scenario_seed(options.seed, "views")}
-    views.update(input=BY_NAME["views"].exercises)
-    views.update(verdict.result_of(list(found.get("problems", [])), refusals))
-    views["detail"] += "; the rest of views was not run"
-    ended = sorted({rank, *(r for r, o in outcomes.items() if verdict.ended_itself(o))})
-    views.update(rank=rank, failed_ranks=ended)
-    results = [*_finished_scenarios(outcomes), views]
-    meta = own.progress.get("meta", {}).get("scenarios", {})
-    tokens = int(meta.get("tokens_per_rank", 0))
-    failed = any(r["status"] in (FAIL, ERROR) for r in results)
-    return Step(
-        "scenarios",
-        Status.FAIL if failed else Status.PASS,
-        seconds=float(failure.get("seconds_in_step", 0.0)),
-        detail=one_line(verdict.scenarios_detail(results, tokens)),
-        hint=verdict.SCENARIO_HINT if failed else "",
-        data={
-            "selected": list(meta.get("selected", [])),
-            "tokens_per_rank": tokens,
-            "seed": options.seed,
-            "scenarios": results,
-            "refusal": {"rank": rank, **_lean({k: v for k, v in failure.items() if k != "raised"})},
-        },
-    )

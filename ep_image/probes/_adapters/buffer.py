@@ -12,9 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.deep_ep_common import import_deep_ep, module_facts
-from ep_image.probes.check_ep.types import Dispatched, Shape
+from ep_image.probes._adapters.base import Dispatched, EPBackend, Shape
+from ep_image.probes._adapters.deep_ep_common import import_deep_ep, module_facts
 
 
 class DeepEPv1Backend(EPBackend):

@@ -1,5 +1,5 @@
-"""The size of the MoE layer check_ep emulates: the default on each device, and the limits that
-the token identity written into every row sets.
+"""The size of the MoE layer a rank probe drives the backend with: the default on each device,
+and the limits that the token identity written into every row (check_ep's reference) sets.
 
 Why this module exists: the shape is checked twice, from the flags before any work (the command
 line) and once a rank knows whether it got a GPU (the worker, which then fills in that device's
@@ -9,7 +9,7 @@ defaults); both apply these rules, without torch.
 from __future__ import annotations
 
 from ep_image.cli import UsageError
-from ep_image.probes.check_ep.types import RunOptions
+from ep_image.probes._ranks.types import RunOptions
 
 #: Default layer shape: a DeepSeek-V3-like MoE layer on GPU, a small one on CPU.
 GPU_DEFAULTS = {"tokens": 4096, "hidden": 7168, "experts": 256, "topk": 8}

@@ -63,7 +63,7 @@ class Board:
             pass
 
     def arrivals(self, agreement: int) -> dict[int, dict[str, Any]]:
-        """The ranks that reached ``agreement`` so far, with their arrival (``ranks.arrive``)."""
+        """The ranks that reached ``agreement`` so far, with their arrival (``runtime.arrive``)."""
         import torch.distributed as dist
 
         # The ranks write through a PrefixStore of this prefix (ranks.connect_store), which

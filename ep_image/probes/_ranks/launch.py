@@ -1,4 +1,5 @@
-"""``check-ep --nproc-per-node N``: start N local ranks through torchrun's own launcher.
+"""``check-ep --nproc-per-node N`` (and check-train's): start N local ranks through torchrun's
+own launcher.
 
 Why this module exists: a probe is most often run by hand on one node, where typing torchrun
 is a chore, and torchrun turns every failure into exit 1 while the probe's codes (3 unusable,
@@ -163,7 +164,7 @@ class _Interrupt:
         raise SignalException(f"{self.prog} got {self.got[0].name}", sigval=signal.SIGTERM)
 
 
-def launch_local(nproc: int, module: str, argv: list[str], prog: str = "check_ep") -> int:
+def launch_local(nproc: int, module: str, argv: list[str], prog: str) -> int:
     """Run ``python -m module argv`` on ``nproc`` local ranks; return rank 0's exit code, or
     128 + the signal when SIGINT, SIGTERM or SIGHUP interrupted the job (``prog`` says so)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -202,7 +203,7 @@ def launch_local(nproc: int, module: str, argv: list[str], prog: str = "check_ep
                 min_nodes=1,
                 max_nodes=1,
                 nproc_per_node=nproc,
-                run_id=f"check_ep-{uuid.uuid4().hex[:8]}",
+                run_id=f"{prog}-{uuid.uuid4().hex[:8]}",
                 rdzv_backend="c10d",
                 rdzv_endpoint="localhost:0",
                 max_restarts=0,

@@ -1,4 +1,4 @@
-"""What check_ep can refuse before any rank starts: a python without torch, and (for the local
+"""What a rank probe can refuse before any rank starts: a python without torch, and (for the local
 launcher) a layer shape or device the ranks would refuse anyway.
 
 Why this module exists: the ranks find these too, but only after they started: a python without
@@ -14,9 +14,9 @@ import platform
 import sys
 
 from ep_image import backends, cli
+from ep_image.probes._ranks.runtime import decide_placement
+from ep_image.probes._ranks.types import ProbeKind, RunOptions
 from ep_image.probes._report import Status, Step
-from ep_image.probes.check_ep.ranks import decide_placement
-from ep_image.probes.check_ep.types import ProbeKind, RunOptions
 
 
 def torch_missing(kind: ProbeKind) -> Step | None:
@@ -50,7 +50,7 @@ def check_local_launch(kind: ProbeKind, options: RunOptions, gpus: int) -> None:
     ``--device cuda`` without a GPU.
 
     Every local rank sees the same ``gpus``; placement is decided as the ranks decide it
-    (``ranks.decide_placement``), so a shape refused here is one they would refuse too.
+    (``runtime.decide_placement``), so a shape refused here is one they would refuse too.
     """
     nproc = options.nproc_per_node
     if options.device == "cuda" and gpus == 0:

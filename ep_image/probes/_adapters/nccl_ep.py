@@ -28,10 +28,9 @@ import torch.distributed as dist
 
 from ep_image import backends as registry
 from ep_image.probes import _facts
+from ep_image.probes._adapters.base import Dispatched, EPBackend, Problem, Shape
+from ep_image.probes._adapters.deep_ep_common import pad_rows
 from ep_image.probes._report import Status, StepFailed, one_line
-from ep_image.probes.check_ep.adapters.base import EPBackend, Problem
-from ep_image.probes.check_ep.adapters.deep_ep_common import pad_rows
-from ep_image.probes.check_ep.types import Dispatched, Shape
 
 MODULE = "nccl.ep"
 #: The modes this adapter drives and leaves, for the import step's facts.

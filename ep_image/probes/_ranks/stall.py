@@ -5,7 +5,7 @@ Why this module exists: a backend that skips a collective on one rank (a cached 
 does not communicate, a memoized result) or hangs there after its last collective leaves the
 ranks apart: some reach the end of the step and wait at its agreement, the others wait in the
 backend's collective, and nothing moves until the collective timeout (300 s by default). Every
-rank posts its arrival at each agreement (``ranks.arrive``: the step, when it began there, when
+rank posts its arrival at each agreement (``runtime.arrive``: the step, when it began there, when
 it ended, its status); each rank's supervisor holds its own backend process's breadcrumb (the
 step, the backend call it is in) against its peers' arrivals. A rank still in the step for
 ``STALL_FACTOR`` times as long as the peers' whole step took, and at least ``STALL_FLOOR``

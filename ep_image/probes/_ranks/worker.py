@@ -2,26 +2,25 @@
 process groups, run the steps, and (on rank 0) write the verdict.
 
 Why this module exists: this is the process the supervisor forks and watches, and the only part
-of check_ep that brings torch in; a usage error found only here (a GPU backend with
+of the rank machinery that brings torch in; a usage error found only here (a GPU backend with
 ``--device cpu``, NCCL communicators on a shared GPU) is still one line and exit 2. A rank whose
 backend raised while its peers were left blocked in a collective ends at once, leaving what it
-found in its breadcrumbs for the supervisors to report (``ranks.PeersLeftWaiting``).
+found in its breadcrumbs for the supervisors to report (``runtime.PeersLeftWaiting``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ep_image import cli
 from ep_image.probes import _supervise
-from ep_image.probes._report import EXIT_UNUSABLE, EXIT_USAGE, Step, exit_code_of
-from ep_image.probes.check_ep import output
-from ep_image.probes.check_ep.calls import track_calls
-from ep_image.probes.check_ep.ranks import (
+from ep_image.probes._adapters.base import Shape
+from ep_image.probes._ranks import output
+from ep_image.probes._ranks.calls import track_calls
+from ep_image.probes._ranks.runtime import (
     PeersLeftWaiting,
     RankEnv,
     agree_code,
@@ -32,10 +31,12 @@ from ep_image.probes.check_ep.ranks import (
     init_distributed,
     topology,
 )
-from ep_image.probes.check_ep.types import ProbeKind, RunOptions, Selection, Shape
+from ep_image.probes._ranks.steps import run_steps
+from ep_image.probes._ranks.types import ProbeKind, RunOptions, Selection
+from ep_image.probes._report import EXIT_UNUSABLE, EXIT_USAGE, Step, exit_code_of
 
 if TYPE_CHECKING:
-    from ep_image.probes.check_ep.adapters.base import EPBackend
+    from ep_image.probes._adapters.base import EPBackend
 
 
 def work(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selection) -> int:
@@ -69,15 +70,12 @@ def importing(what: str) -> Iterator[None]:
 def run_worker(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selection) -> int:
     """Import torch and the backend, place the rank, set up the groups, run the steps, report."""
     _supervise.progress.update(backend=sel.name, current="import", steps=[])
-    # The torch side of the probe (steps, checks, reference, adapters) is imported from here
-    # on only: the command line and the supervisor never load torch themselves.
+    # The torch side of the probe is imported from here on only (the adapters here, what each
+    # step runs when it runs): the command line and the supervisor never load torch themselves.
     with importing("torch"):
         import torch
 
-    from ep_image.probes.check_ep.adapters import plugins
-
-    module, _, function = kind.run_steps.partition(":")
-    run_steps = getattr(importlib.import_module(module), function)
+    from ep_image.probes._adapters import plugins
 
     if options.backend_class:
         with importing(f"--backend-class {options.backend_class}"):
@@ -140,9 +138,12 @@ def run_worker(kind: ProbeKind, options: RunOptions, env: RankEnv, sel: Selectio
         "topology": layout,
     }
     _supervise.progress.update(backend=sel.name, meta=meta)
+    run = kind.run_type(
+        rt=rt, sel=sel, backend=backend, shape=shape, sizes=dict(sizes), options=options
+    )
     steps: list[Step] = []
     try:
-        steps = run_steps(rt, sel, backend, shape, options)
+        steps = run_steps(kind.steps, run)
     except PeersLeftWaiting:
         raise  # no destroy: it may wait for the blocked peers too
     except BaseException:

@@ -1,5 +1,5 @@
-"""check_ep's gates: the steps that must pass before any kernel check runs (import,
-prerequisites, buffer).
+"""The gates every rank probe runs first: the steps that must pass before any check or training
+drives the backend (import, prerequisites, buffer).
 
 Why this module exists: a backend that does not import, cannot run here or cannot build its
 buffer gets a verdict that names the fix (missing 4, unusable 3, skipped 5) instead of a
@@ -16,10 +16,10 @@ from typing import Any
 
 from ep_image import trust
 from ep_image.probes import _backend_detect, _facts
+from ep_image.probes._adapters.base import EPBackend, Shape
+from ep_image.probes._ranks.runtime import Runtime, agree, sync
+from ep_image.probes._ranks.types import Selection
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.ranks import Runtime, agree, sync
-from ep_image.probes.check_ep.types import Selection, Shape
 
 
 def step_import(rt: Runtime, sel: Selection, backend: EPBackend) -> Step:

@@ -18,19 +18,19 @@ from pathlib import Path
 
 from ep_image import backends as registry
 from ep_image.cli import UsageError
-from ep_image.probes.check_ep import adapters
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.torch_reference import TorchBackend
+from ep_image.probes import _adapters
+from ep_image.probes._adapters.base import EPBackend
+from ep_image.probes._adapters.torch_reference import TorchBackend
 
 
-def _adapters() -> dict[tuple[str, str], type[EPBackend]]:
+def _adapters_by_api() -> dict[tuple[str, str], type[EPBackend]]:
     """Every adapter module's class that names an API, by (module, class) it drives: the
     adapters know APIs, the registry knows which backend ships which."""
     found: dict[tuple[str, str], type[EPBackend]] = {}
-    for info in sorted(pkgutil.iter_modules(adapters.__path__), key=lambda m: m.name):
+    for info in sorted(pkgutil.iter_modules(_adapters.__path__), key=lambda m: m.name):
         if info.name == "plugins":
             continue
-        module = importlib.import_module(f"{adapters.__name__}.{info.name}")
+        module = importlib.import_module(f"{_adapters.__name__}.{info.name}")
         for value in vars(module).values():
             is_adapter = isinstance(value, type) and issubclass(value, EPBackend)
             if is_adapter and value.api and value.__module__ == module.__name__:
@@ -39,7 +39,7 @@ def _adapters() -> dict[tuple[str, str], type[EPBackend]]:
 
 
 #: The adapter of each API (``BackendSpec.module`` and ``.api``).
-ADAPTERS: dict[tuple[str, str], type[EPBackend]] = _adapters()
+ADAPTERS: dict[tuple[str, str], type[EPBackend]] = _adapters_by_api()
 
 
 def adapter_for(spec: registry.BackendSpec) -> type[EPBackend]:
@@ -47,8 +47,8 @@ def adapter_for(spec: registry.BackendSpec) -> type[EPBackend]:
     base = ADAPTERS.get((spec.module, spec.api))
     if base is None:
         raise RuntimeError(
-            f"no check_ep adapter drives {spec.module}.{spec.api} (backend {spec.name}): add one "
-            "under ep_image/probes/check_ep/adapters/ with module and api set"
+            f"no adapter drives {spec.module}.{spec.api} (backend {spec.name}): add one under "
+            "ep_image/probes/_adapters/ with module and api set"
         )
     return type(base.__name__, (base,), {"name": spec.name, "__module__": base.__module__})
 

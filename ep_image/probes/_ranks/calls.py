@@ -14,7 +14,7 @@ from typing import Any
 
 from ep_image.probes import _supervise
 
-#: The EPBackend methods that reach the backend (adapters/base.py).
+#: The EPBackend methods that reach the backend (``_adapters/base.py``).
 CALLS = (
     "create",
     "dispatch",

@@ -16,14 +16,13 @@ import torch
 import torch.distributed as dist
 
 from ep_image import backends as registry
-from ep_image.probes.check_ep.adapters.base import EPBackend
-from ep_image.probes.check_ep.adapters.deep_ep_common import (
+from ep_image.probes._adapters.base import UNEVEN_TOKENS, Dispatched, EPBackend, Shape
+from ep_image.probes._adapters.deep_ep_common import (
     RowsHandle,
     import_deep_ep,
     module_facts,
     pad_rows,
 )
-from ep_image.probes.check_ep.types import UNEVEN_TOKENS, Dispatched, Shape
 
 
 @dataclasses.dataclass

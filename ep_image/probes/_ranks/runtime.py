@@ -295,17 +295,6 @@ def all_gather_json(obj: Any, group: Any, world: int) -> list[Any]:
     ]
 
 
-def all_gather_rows(t: Any, group: Any) -> Any:
-    """Concatenate the tensor ``t`` (same shape on every rank) from all ranks along dim 0."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, t.contiguous(), group=group)
-    return out
-
-
 class PeersLeftWaiting(Exception):
     """This rank's step ended in an error and its peers did not reach the agreement after it:
     they are blocked in a collective this rank skipped, so no merged verdict can come."""
