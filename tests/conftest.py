@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _fault_inject import build_shim
 
 from ep_image import child_env
 
@@ -155,6 +156,16 @@ def assert_unwritable_report_is_bad_usage(tmp_path: Path, probe: str, *args: str
         assert lines[0].startswith(f"{probe}: usage error: argument --json: "), lines[0]
         assert phrase in lines[0] and "Traceback" not in proc.stderr
         assert proc.stdout == "", proc.stdout
+
+
+@pytest.fixture
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fault-injection shim (tests/_fault_inject.py), compiled for the test that asks: the
+    dedup tests' crashes and vanishing files."""
+    library = build_shim(tmp_path_factory.mktemp("shim"))
+    if library is None:
+        pytest.skip("needs gcc (or cc) to build the fault-injection shim")
+    return library
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fault_inject import build_shim, faulty_env
+from _fault_inject import faulty_env
 from _venv_helpers import (
     apparent_bytes,
     build_wheel,
@@ -43,15 +43,6 @@ from ep_image.build_steps.dedup.tree import TEMP_SUFFIX
 
 PACKAGES = ("six==1.17.0", "packaging==26.4", "attrs==26.1.0")
 NOBODY = 65534
-
-
-@pytest.fixture
-def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fault-injection shim (tests/_fault_inject.py), compiled for this test."""
-    library = build_shim(tmp_path_factory.mktemp("shim"))
-    if library is None:
-        pytest.skip("needs gcc (or cc) to build the fault-injection shim")
-    return library
 
 
 def both(a: Path, b: Path) -> dict[str, tuple[str, int]]:

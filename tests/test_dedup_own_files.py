@@ -23,21 +23,13 @@ from typing import Any
 
 import _mounts as mounts
 import pytest
-from _fault_inject import build_shim, faulty_env
+from _fault_inject import faulty_env
 from _venv_helpers import inodes, run_dedup, snapshot
 
 from ep_image.build_steps.dedup.report import Report
 from ep_image.build_steps.dedup.tree import TEMP_SUFFIX
 
 TEMP = TEMP_SUFFIX
-
-
-@pytest.fixture
-def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    library = build_shim(tmp_path_factory.mktemp("shim"))
-    if library is None:
-        pytest.skip("needs gcc (or cc) to build the fault-injection shim")
-    return library
 
 
 def pair_of_trees(base: Path, files: int = 40, size: int = 64 << 10) -> tuple[Path, Path]:
