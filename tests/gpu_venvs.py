@@ -176,6 +176,11 @@ def pack(args: argparse.Namespace) -> int:
     prefix: Path = args.prefix.resolve()
     out: Path = args.out.resolve()
     venvs = sorted(p for p in prefix.iterdir() if (p / "pyvenv.cfg").is_file())
+    if args.venv:
+        missing = sorted(set(args.venv) - {v.name for v in venvs})
+        if missing:
+            raise SystemExit(f"gpu_venvs: no venv {', '.join(missing)} under {prefix}")
+        venvs = [v for v in venvs if v.name in args.venv]
     if not venvs:
         raise SystemExit(f"gpu_venvs: no venv under {prefix}")
     home = interpreter_home(venvs[0])
@@ -246,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", type=Path, required=True)
     p.add_argument("--out", type=Path, default=ROOT / ".gpu")
     p.add_argument("--level", type=int, default=5)
+    p.add_argument(
+        "--venv",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pack this venv of the prefix only (repeatable; default: every venv there)",
+    )
     p.add_argument("--part-bytes", type=int, default=PART_BYTES)
     p.add_argument(
         "--no-interpreter",

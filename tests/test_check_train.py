@@ -26,6 +26,7 @@ import torch
 from conftest import FIXTURES, ROOT, clean_env, run_probe_in
 
 from ep_image import backends, child_env
+from ep_image.probes._ranks.runtime import ONE_RANK_LABEL
 from ep_image.probes.check_train import all_backends, cli, loop, verdicts
 from ep_image.probes.check_train.recompute import HASHES, Fingerprint, finding_of
 from ep_image.probes.check_train.steps import STEP_NAMES
@@ -727,6 +728,21 @@ def test_the_speed_is_timed_alike(monkeypatch: pytest.MonkeyPatch) -> None:
                                 False)  # fmt: skip
     assert speed.data["speedup"] == 2.0
     assert speed.data["backend_step_seconds"] == 0.25
+
+
+def test_one_rank_on_a_gpu_expects_no_speedup_and_warns_of_no_slow_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On one GPU rank the fallback's all-gather moves nothing (on an H100 DeepEP v2 read 0.93x
+    and NCCL EP 0.89x there): slower is no sign of a slow path; at 2 ranks it is."""
+    trainer = _Clock(monkeypatch, {"backend": 0.55, "fallback": 0.5})
+    timing = loop.time_alike(trainer, _Exchange("backend"), _Exchange("fallback"), False)
+    result = loop.PhaseResult(timing=timing)
+    one = verdicts.step_speed(result, loop.PhaseResult(), 1000, ONE_RANK_LABEL, False)
+    assert "no speedup to expect" in one.detail and "warning" not in one.detail, one.detail
+    assert not one.hint
+    two = verdicts.step_speed(result, loop.PhaseResult(), 1000, "", False)
+    assert "warning: the backend is 1.1x slower than the fallback" in two.detail, two.detail
 
 
 def test_help_names_only_flags_it_takes() -> None:

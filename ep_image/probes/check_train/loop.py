@@ -70,6 +70,8 @@ class PhaseResult:
     #: Both exchanges' step times measured alike (:func:`time_alike`); None where the
     #: backend's training ended early.
     timing: dict[str, Any] | None = None
+    #: The recomputes' routing against their forwards' (``RoutingReplay.summary``).
+    routing: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -217,6 +219,7 @@ def train_fallback(
         record = StepRecord(step, loss, norm, seconds, None, peak_bytes(phase))
         record.nonfinite = _not_finite(step, loss, norm)
         result.steps.append(record)
+    result.routing = trainer.model.routing.summary()
     return result
 
 
@@ -244,6 +247,7 @@ def train_backend(
             moe.ledger.settle()  # the recomputes' hashes: one host sync, after the timed part
         except RecomputeMismatch as exc:
             result.mismatch = str(exc)
+            result.routing = trainer.model.routing.summary()
             return result
         peak = peak_bytes(phase)
         nonfinite = _finite_problems(moe.finite, step)
@@ -280,6 +284,7 @@ def train_backend(
         record.references = references
         record.nonfinite += _not_finite(step, loss, norm)
         result.steps.append(record)
+    result.routing = trainer.model.routing.summary()
     result.timing = time_alike(trainer, moe, fallback, checkpointed)
     return result
 

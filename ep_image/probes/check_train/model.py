@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ep_image.probes.check_train.routing import RoutingReplay
 from ep_image.probes.check_train.types import FFN_FACTOR, VOCAB
 
 
@@ -172,17 +173,21 @@ class Block(torch.nn.Module):
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
         return self.proj(out.reshape(b, s, h))
 
-    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k experts of each token and their weights (softmax over the top-k, fp32)."""
+    def route(
+        self, tokens: torch.Tensor, replay: RoutingReplay, index: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Top-k experts of each token and their weights (softmax over the top-k, fp32); in a
+        recompute, the forward's experts (``routing``)."""
         logits = F.linear(tokens.float(), self.router)
-        top, idx = logits.topk(self.shape.topk, dim=-1)
-        return idx, torch.softmax(top, dim=-1)
+        return replay.route(index, logits, self.shape.topk)
 
-    def forward(self, x: torch.Tensor, moe: MoEFn, index: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, moe: MoEFn, index: int, replay: RoutingReplay
+    ) -> torch.Tensor:
         x = x + self.attend(x)
         b, s, h = x.shape
         tokens = rms_norm(x, self.moe_norm).reshape(b * s, h)
-        idx, weights = self.route(tokens)
+        idx, weights = self.route(tokens, replay, index)
         return x + moe(tokens, idx, weights, index).view(b, s, h)
 
 
@@ -227,6 +232,7 @@ class MoETransformer(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(blocks)
         self.final_norm = torch.nn.Parameter(tensor(torch.ones(h)))
         self.head = torch.nn.Parameter(tensor(_normal(gen, v, h, std=h**-0.5)))
+        self.routing = RoutingReplay()
 
     def expert_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's own weights (its experts): every other weight is every rank's."""
@@ -238,11 +244,12 @@ class MoETransformer(torch.nn.Module):
         """Logits (fp32) of ``tokens`` [batch, seq]; ``checkpointed``: each block under
         non-reentrant activation checkpointing, recomputed in the backward."""
         x = self.embed[tokens].to(dtype)
+        self.routing.begin()
         for index, block in enumerate(self.blocks):
             if checkpointed:
-                x = checkpoint(block, x, moe, index, use_reentrant=False)
+                x = checkpoint(block, x, moe, index, self.routing, use_reentrant=False)
             else:
-                x = block(x, moe, index)
+                x = block(x, moe, index, self.routing)
         return F.linear(rms_norm(x, self.final_norm), self.head.to(dtype)).float()
 
 
