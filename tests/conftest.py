@@ -23,8 +23,8 @@ from _fault_inject import build_shim
 from ep_image import child_env
 
 # After a failed run: prune the kept temporary directory and say where it is. Children's
-# temporary files: one directory per run, removed at its end.
-pytest_plugins = ["_tmp_retention", "_session_tmp", "_parallel"]
+# temporary files: one directory per run, removed at its end. A failure named as it happens.
+pytest_plugins = ["_tmp_retention", "_session_tmp", "_parallel", "_progress"]
 
 # A run started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and so
 # would every make_venv a test starts: the tests of Ctrl-C need it as a terminal delivers it.
