@@ -1,8 +1,8 @@
 """ep_image: the build system for MoE training images with a selectable EP backend.
 
-One package: the library at the top (``backends``, ``project``, ``abi``, ...), the build steps
-in ``ep_image.build_steps`` and the probes in ``ep_image.probes``; docs/architecture.md draws the
-parts.
+One package: the library at the top (``cli``, ``pins``, ``backends``, ``native``, ``files``,
+``repo``), the build steps in ``ep_image.build_steps`` and the probes in ``ep_image.probes``;
+docs/architecture.md draws the parts.
 Standard library only: it runs in backend venvs that hold only the lock's packages and on bare
 base images.
 """

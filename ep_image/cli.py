@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ep_image.record_path import not_a_file
+from ep_image.files.records import not_a_file
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A backend's own upstream test, run as the oracle beside check_ep (docs/probes.md).
 
-A front door (ep_image/front_doors.py): runs the command of the same name in this checkout's
+A front door (ep_image/repo/front_doors.py): runs the command of the same name in this checkout's
 package, with whatever python runs this file.
 """
 
@@ -10,6 +10,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's ep_image first
 
-from ep_image.front_doors import enter
+from ep_image.repo.front_doors import enter
 
 enter(__file__)

@@ -1,4 +1,5 @@
-"""ep_image/abi.py: each symbol an extension needs binds to its venv's libraries, or it fails.
+"""ep_image/native/abi.py: each symbol an extension needs binds to its venv's libraries, or it
+fails.
 
 The fast tests build real shared objects with gcc (a stand-in ``libc10.so`` exporting a torch
 symbol under its mangled name, an extension needing another one, a libnccl without a symbol, a
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 from _venv_helpers import build_wheel, make_uv_venv, site_packages, uv
 
-from ep_image import abi
 from ep_image.build_steps import check_installed
+from ep_image.native import abi
 
 #: What tokenspeed-deepep 1.2.1's extension needs and torch 2.14.1's libc10 no longer exports.
 COW = "_ZN3c104impl3cow23materialize_cow_storageERNS_11StorageImplE"
@@ -328,7 +329,7 @@ def test_paths_with_a_space_a_colon_and_a_newline_bind(tmp_path: Path) -> None:
     result = abi.bind(ext, python(), [str(lib / "libc10.so")], env={})
     assert result.ok and result.complete and result.unresolved == [], result
     assert result.extension == str(ext)
-    closure = abi.ld_trace.closure(ext)
+    closure = abi.loader.closure(ext)
     assert str(lib / "libc10.so") in closure, closure
     missing = abi.bind(
         shared(odd / "ext2.so", f"{alias('old', COW)} int g(void){{return old();}}",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_image import import_graph
+from ep_image.repo import import_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ep_image"
@@ -189,6 +189,19 @@ def test_importing_a_rank_probe_loads_no_torch(probe: str) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+#: The modules at the package's root: its face (SOURCE_ROOT, child_env), the command-line
+#: scaffold every command runs on, the pins. Anything else belongs to a package of its subject.
+ROOT_MODULES = {"__init__.py", "cli.py", "pins.py"}
+
+
+def test_the_package_root_holds_no_loose_modules() -> None:
+    """A module at ep_image's root is found by nobody looking for its subject: it goes into the
+    package of its subject (native/, files/, repo/, ...) or beside the only part that uses it
+    (build_steps/_*, probes/_*)."""
+    loose = {p.name for p in PACKAGE.glob("*.py")} - ROOT_MODULES
+    assert not loose, f"modules loose at ep_image's root: {sorted(loose)} (docs/architecture.md)"
 
 
 def test_the_layout_test_sees_every_room() -> None:

@@ -26,8 +26,8 @@ import pytest
 from _venv_helpers import build_wheel
 from test_source_build import fake_cuda
 
-from ep_image import prebuilt, project
-from ep_image.build_steps import _venv_cudnn
+from ep_image.build_steps._source_builds import prebuilt
+from ep_image.build_steps._venv import cudnn as venv_cudnn
 from ep_image.build_steps.build_te.environment import nvte_archs
 from ep_image.build_steps.build_te.source import (
     BuildTeError,
@@ -37,6 +37,7 @@ from ep_image.build_steps.build_te.source import (
     pinned_commit,
     source_commit,
 )
+from ep_image.files.records import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "ep_image.build_steps.build_te"
@@ -107,7 +108,7 @@ def parse_exports(stdout: str) -> dict[str, str]:
 
 
 def test_discovery_finds_the_wheels_headers_libs_and_version(cudnn_venv: Path) -> None:
-    cudnn = _venv_cudnn.find_cudnn(cudnn_venv)
+    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
     site = next(cudnn_venv.glob("lib/python3*/site-packages"))
     assert cudnn.root == site / "nvidia" / "cudnn"
     assert (cudnn.include / "cudnn.h").is_file()
@@ -147,7 +148,7 @@ def test_dry_run_prints_the_exact_environment_and_command(cudnn_venv: Path, tmp_
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout)
     env = parse_exports(result.stdout)
-    cudnn = _venv_cudnn.find_cudnn(cudnn_venv)
+    cudnn = venv_cudnn.find_cudnn(cudnn_venv)
     assert env["CUDNN_PATH"] == env["CUDNN_HOME"] == str(cudnn.root)
     assert env["CUDNN_INCLUDE_PATH"] == str(cudnn.include)
     assert env["CUDNN_LIBRARY_PATH"] == str(cudnn.lib)
@@ -311,7 +312,7 @@ def prebuilt_dir(path: Path, **changes: object) -> Path:
         "cuda_version": "13.0",
         "nccl_ep": False,
         "wheel": tagged.name,
-        "wheel_sha256": project.sha256_file(tagged),
+        "wheel_sha256": sha256_file(tagged),
         **changes,
     }
     (path / "te-build.json").write_text(json.dumps(record))

@@ -710,14 +710,14 @@ def test_hybridep_routing_map_conversion() -> None:
 
 def test_file_contains_finds_needles_across_chunk_borders(tmp_path: Path) -> None:
     """How the probe tells a v1 build with NVSHMEM (links libnvshmem_host) from one without."""
-    from ep_image.probes import _facts
+    from ep_image.probes import _installed
 
     lib = tmp_path / "deep_ep_cpp.so"
     lib.write_bytes(b"\0" * 10 + b"libnvshmem_host.so.3" + b"\0" * 10)
     for chunk in (4, 7, 16, 1 << 20):
-        assert _facts.file_contains(str(lib), b"libnvshmem_host", chunk=chunk)
-    assert not _facts.file_contains(str(lib), b"libnccl", chunk=8)
-    assert not _facts.file_contains(str(tmp_path / "absent.so"), b"x")
+        assert _installed.file_contains(str(lib), b"libnvshmem_host", chunk=chunk)
+    assert not _installed.file_contains(str(lib), b"libnccl", chunk=8)
+    assert not _installed.file_contains(str(tmp_path / "absent.so"), b"x")
 
 
 def test_deepep_v2_reports_its_jit_cache_and_gin_setting(tmp_path: Path) -> None:

@@ -321,11 +321,11 @@ def test_the_nccl_version_is_the_loaded_librarys() -> None:
 
     import torch  # loads libnccl with the CUDA build of torch
 
-    from ep_image.probes import _facts
+    from ep_image.probes import _torch_stack
 
-    loaded = _facts.loaded_nccl_version()
+    loaded = _torch_stack.loaded_nccl_version()
     assert loaded == importlib.metadata.version("nvidia-nccl-cu13")
-    assert _facts.torch_facts()["nccl"] == loaded
+    assert _torch_stack.torch_facts()["nccl"] == loaded
     assert torch.cuda.nccl.version()  # present, but not what the probe reports
 
 
@@ -338,7 +338,7 @@ def test_a_cxx_extension_with_its_own_libstdcxx_is_recognised(
     import shutil
     import subprocess
 
-    from ep_image.probes import _facts
+    from ep_image.probes import _installed
 
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
@@ -350,7 +350,7 @@ def test_a_cxx_extension_with_its_own_libstdcxx_is_recognised(
     lib = tmp_path / "ext.so"
     flags = ["-static-libstdc++"] if static else []
     subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
-    assert _facts.static_cxx_runtime(str(lib)) is expected
+    assert _installed.static_cxx_runtime(str(lib)) is expected
 
 
 def test_upstream_test_counts_cases_that_ran_through_their_checks() -> None:
@@ -495,7 +495,7 @@ def test_a_cache_too_big_to_walk_is_checked_in_part_and_says_so(
 ) -> None:
     """A check that runs before every job does not walk a huge shared cache for minutes: it
     stops after its limit of entries and says how many it looked at."""
-    from ep_image import trust
+    from ep_image.files import trust
 
     cache = tmp_path / "deep_ep"
     cache.mkdir()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ep_image import ld_trace
 from ep_image.build_steps import check_installed
+from ep_image.native import loader
 
 EXT = "deep_ep_cpp.cpython-311-x86_64-linux-gnu.so"
 
@@ -133,15 +133,16 @@ def test_no_extension_is_a_problem(site: Path) -> None:
 
 
 def test_the_loader_is_asked_not_guessed(site: Path) -> None:
-    """ld_trace reads DT_NEEDED and DT_SONAME as the loader does (cross-checked with readelf)."""
+    """ep_image.native.loader reads DT_NEEDED and DT_SONAME as the loader does (cross-checked
+    with readelf)."""
     dep = build_lib(site / "x" / "libdep.so.3", soname="libdep.so.3")
     ext = build_lib(site / EXT, needs=(dep,), runpath="$ORIGIN/x")
-    dynamic = ld_trace.elf_dynamic(ext)
+    dynamic = loader.elf_dynamic(ext)
     assert "libdep.so.3" in dynamic.needed and dynamic.soname == EXT
-    assert ld_trace.elf_soname(dep) == "libdep.so.3"
+    assert loader.elf_soname(dep) == "libdep.so.3"
     if shutil.which("readelf"):
         out = subprocess.run(["readelf", "-d", str(ext)], capture_output=True, text=True).stdout
         listed = [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
         assert listed == list(dynamic.needed)
-    direct, deeper = ld_trace.resolve(ext)
+    direct, deeper = loader.resolve(ext)
     assert direct["libdep.so.3"] == str(dep) and deeper == []

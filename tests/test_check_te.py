@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_unwritable_report_is_bad_usage, run_probe_in
 
-from ep_image.probes import _facts, check_te
+from ep_image.probes import _cudnn_libs, _mapped, _te, _versions, check_te
 from ep_image.probes._report import Status
 from ep_image.probes.check_te import gpu_steps
 
@@ -53,7 +53,7 @@ def cudnn_wheel_version() -> tuple[int, int, int]:
         version = metadata.version("nvidia-cudnn-cu13")
     except metadata.PackageNotFoundError:
         pytest.skip("no nvidia-cudnn-cu13 wheel in this environment")
-    triplet = _facts.parse_version_triplet(version)
+    triplet = _versions.parse_version_triplet(version)
     assert triplet is not None
     return triplet
 
@@ -95,15 +95,13 @@ def test_build_info_path_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.delenv("EP_TE_BUILD_INFO", raising=False)
     venv = tmp_path / "venvs" / "deepep_v2"
     venv.mkdir(parents=True)
-    if not Path(_facts.DEFAULT_TE_BUILD_INFO).exists():
-        assert _facts.te_build_info_path(None, prefix=str(venv)) is None
+    if not Path(_te.DEFAULT_TE_BUILD_INFO).exists():
+        assert _te.te_build_info_path(None, prefix=str(venv)) is None
     (tmp_path / "venvs" / "te-build.json").write_text("{}")
-    assert _facts.te_build_info_path(None, prefix=str(venv)) == str(
-        tmp_path / "venvs/te-build.json"
-    )
+    assert _te.te_build_info_path(None, prefix=str(venv)) == str(tmp_path / "venvs/te-build.json")
     monkeypatch.setenv("EP_TE_BUILD_INFO", "/env/te-build.json")
-    assert _facts.te_build_info_path(None) == "/env/te-build.json"
-    assert _facts.te_build_info_path("/flag.json") == "/flag.json"
+    assert _te.te_build_info_path(None) == "/env/te-build.json"
+    assert _te.te_build_info_path("/flag.json") == "/flag.json"
 
 
 @pytest.mark.parametrize(
@@ -158,12 +156,12 @@ def test_maps_parsing_finds_the_real_libraries() -> None:
 
     cudnn_wheel_version()
     maps = maps_of_a_process_that_loaded_cudnn()
-    paths = _facts.parse_maps(maps)
+    paths = _mapped.parse_maps(maps)
     assert paths and all(p.startswith("/") for p in paths)
     assert len(paths) == len(set(paths))  # one entry per file, in first-seen order
     torch_lib = Path(torch.__file__).parent / "lib"
     assert any(Path(p).parent == torch_lib and "libtorch" in Path(p).name for p in paths)
-    cudnn = _facts.mapped_libraries(r"^libcudnn\.so", maps)
+    cudnn = _mapped.mapped_libraries(r"^libcudnn\.so", maps)
     assert cudnn, "torch loaded no libcudnn"
     assert Path(cudnn[0]).name.startswith("libcudnn.so")
     assert "nvidia/cudnn/lib" in cudnn[0]  # the venv's wheel, not a system copy
@@ -180,7 +178,7 @@ def test_parse_maps_edge_cases() -> None:
             "7f04-7f05 r-xp 00000000 fe:00 13 /tmp/libgone.so (deleted)",
         ]
     )
-    assert _facts.parse_maps(text) == ["/opt/with space/libx.so.1", "/tmp/libgone.so"]
+    assert _mapped.parse_maps(text) == ["/opt/with space/libx.so.1", "/tmp/libgone.so"]
 
 
 @pytest.mark.parametrize(
@@ -188,7 +186,7 @@ def test_parse_maps_edge_cases() -> None:
     [(92400, (9, 24, 0)), (92000, (9, 20, 0)), (90100, (9, 1, 0)), (8907, (8, 9, 7))],
 )
 def test_decode_cudnn_version(raw: int, expected: tuple[int, int, int]) -> None:
-    assert _facts.decode_cudnn_version(raw) == expected
+    assert _cudnn_libs.decode_cudnn_version(raw) == expected
 
 
 @pytest.mark.parametrize(
@@ -196,7 +194,7 @@ def test_decode_cudnn_version(raw: int, expected: tuple[int, int, int]) -> None:
     [("9.24.0.43", (9, 24, 0)), ("9.20", (9, 20, 0)), ("9", (9, 0, 0)), ("", None), (None, None)],
 )
 def test_parse_version_triplet(text: str | None, expected: tuple[int, int, int] | None) -> None:
-    assert _facts.parse_version_triplet(text) == expected
+    assert _versions.parse_version_triplet(text) == expected
 
 
 def test_loaded_cudnn_reports_the_wheel_version_and_path() -> None:
@@ -205,9 +203,9 @@ def test_loaded_cudnn_reports_the_wheel_version_and_path() -> None:
 
     wheel = cudnn_wheel_version()
     torch.backends.cudnn.version()
-    loaded = _facts.loaded_cudnn()
+    loaded = _cudnn_libs.loaded_cudnn()
     assert loaded["path"] and "nvidia/cudnn/lib" in loaded["path"]
-    assert _facts.parse_version_triplet(loaded["version"]) == wheel
+    assert _versions.parse_version_triplet(loaded["version"]) == wheel
     assert loaded["raw"] == torch.backends.cudnn.version()
 
 
@@ -222,7 +220,7 @@ def real_loaded() -> dict:
 
     cudnn_wheel_version()
     torch.backends.cudnn.version()
-    return _facts.loaded_cudnn()
+    return _cudnn_libs.loaded_cudnn()
 
 
 def test_cudnn_match_passes(real_loaded: dict) -> None:
@@ -268,7 +266,7 @@ def test_two_cudnn_copies_mapped_fail(tmp_path: Path, real_loaded: dict) -> None
     copy.parent.mkdir()
     shutil.copy2(real_loaded["path"], copy)
     maps = maps_of_a_process_that_loaded_cudnn(str(copy))
-    mapped = _facts.mapped_libraries(r"^libcudnn\.so", maps)
+    mapped = _mapped.mapped_libraries(r"^libcudnn\.so", maps)
     assert str(copy) in mapped and real_loaded["path"] in mapped
     loaded = {**real_loaded, "all_mapped": mapped}
     info = {"cudnn_version": real_loaded["version"]}
@@ -285,13 +283,13 @@ def test_loaded_cudnn_versions_each_mapped_copy(tmp_path: Path) -> None:
     import torch
 
     torch.backends.cudnn.version()
-    venv_lib = _facts.loaded_cudnn()["path"]
+    venv_lib = _cudnn_libs.loaded_cudnn()["path"]
     copy = tmp_path / "libcudnn.so.9"
     shutil.copy2(venv_lib, copy)
     code = (
         "import json, sys, ctypes, torch; torch.backends.cudnn.version(); "
-        f"ctypes.CDLL({str(copy)!r}); from ep_image.probes import _facts; "
-        "print(json.dumps(_facts.loaded_cudnn()))"
+        f"ctypes.CDLL({str(copy)!r}); from ep_image.probes import _cudnn_libs; "
+        "print(json.dumps(_cudnn_libs.loaded_cudnn()))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

@@ -2,8 +2,8 @@
 
 Why: a newcomer runs README's two commands on a fresh machine; CI runs .ci/run. If the two
 drift, CI proves something the newcomer never runs. The uv version is written in
-ep_image/tools.py and repeated where Python cannot be imported (.ci/run, ci.yml, the
-Dockerfile, README): these tests hold the copies equal.
+ep_image/build_steps/_uv/pinned.py and repeated where Python cannot be imported (.ci/run, ci.yml,
+the Dockerfile, README): these tests hold the copies equal.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ep_image import tools
 from ep_image.build_steps import bootstrap
+from ep_image.build_steps._uv import pinned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,11 +42,11 @@ def test_ci_run_runs_readmes_test_command() -> None:
 
 def test_one_uv_version_everywhere() -> None:
     run = re.search(r"^UV_VERSION=(\S+)$", (ROOT / ".ci" / "run").read_text(), re.M)
-    assert run and run.group(1) == tools.UV_VERSION
-    assert f"ARG UV_VERSION={tools.UV_VERSION}\n" in (ROOT / "docker" / "Dockerfile").read_text()
-    assert f'UV_VERSION: "{tools.UV_VERSION}"' in (ROOT / ".github/workflows/ci.yml").read_text()
+    assert run and run.group(1) == pinned.UV_VERSION
+    assert f"ARG UV_VERSION={pinned.UV_VERSION}\n" in (ROOT / "docker" / "Dockerfile").read_text()
+    assert f'UV_VERSION: "{pinned.UV_VERSION}"' in (ROOT / ".github/workflows/ci.yml").read_text()
     readme = (ROOT / "README.md").read_text()
-    assert f"uv {tools.UV_VERSION}" in readme
+    assert f"uv {pinned.UV_VERSION}" in readme
 
 
 def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
@@ -61,14 +61,14 @@ def test_bootstrap_runs_the_command_with_the_pinned_uv(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr
-    assert f"uv {tools.UV_VERSION}" in proc.stdout
-    assert f"uv {tools.UV_VERSION}" in proc.stderr  # it says which uv it uses
+    assert f"uv {pinned.UV_VERSION}" in proc.stdout
+    assert f"uv {pinned.UV_VERSION}" in proc.stderr  # it says which uv it uses
 
 
 def test_bootstrap_help_reads_like_documentation() -> None:
     proc = subprocess.run([sys.executable, BOOTSTRAP, "--help"], capture_output=True,
                           text=True, check=True)  # fmt: skip
-    for text in ("--tests", tools.UV_VERSION, "buildah", "debootstrap", "COMMAND"):
+    for text in ("--tests", pinned.UV_VERSION, "buildah", "debootstrap", "COMMAND"):
         assert text in proc.stdout, text
 
 

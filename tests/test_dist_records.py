@@ -17,8 +17,8 @@ from _venv_helpers import build_wheel, install, make_uv_venv, site_packages
 from test_make_venv import leftovers, make_venv
 from test_prebuilt_wheels import build, env_for, source  # noqa: F401  (source: a fixture)
 
-from ep_image import dist_records
 from ep_image.build_steps import check_installed
+from ep_image.build_steps._venv import dist_records
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""ep_image/elf.py against real shared objects built here with gcc, and binutils' own reading.
+"""ep_image/native/elf.py against real shared objects built here with gcc, and binutils' own
+reading.
 
 Why: make_venv's ABI check and check-installed read the dynamic section of every library a venv
 holds (hundreds, libtorch and cuDNN among them, each up to a gigabyte); reading whole files made
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_image import elf
+from ep_image.native import elf
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("gcc") and shutil.which("readelf")), reason="needs gcc and binutils"

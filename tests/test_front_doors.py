@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_image.front_doors import command_of
+from ep_image.repo.front_doors import command_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DOORS = sorted([*ROOT.joinpath("probes").glob("*.py"), *ROOT.joinpath("scripts").glob("*.py")])
@@ -38,7 +38,7 @@ def test_a_door_runs_the_command_of_its_name(door: Path) -> None:
     assert (
         door.read_text()
         .rstrip()
-        .endswith("from ep_image.front_doors import enter\n\nenter(__file__)")
+        .endswith("from ep_image.repo.front_doors import enter\n\nenter(__file__)")
     )
     proc = subprocess.run(
         [sys.executable, str(door), "--help"], capture_output=True, text=True, timeout=120, cwd="/"

@@ -76,7 +76,10 @@ from _progress import Progress
 from _venv_helpers import tree_differences
 from test_source_build import fake_cuda, rdma_home
 
-from ep_image import backends, dockerfile, nvshmem, project, tools
+from ep_image import backends, pins
+from ep_image.build_steps._source_builds import nvshmem
+from ep_image.build_steps._uv import pinned
+from ep_image.repo import dockerfile
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -111,7 +114,7 @@ def test_generated_stages_match_the_registry() -> None:
     """ep-<backend> and image-<EP> stages are the registry's, rendered; nothing stale."""
     text = DOCKERFILE.read_text()
     assert dockerfile.splice(text, dockerfile.render()) == text, (
-        "docker/Dockerfile is stale: run `python -m ep_image.dockerfile --write`"
+        "docker/Dockerfile is stale: run `python -m ep_image.repo.dockerfile --write`"
     )
     stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.MULTILINE)
     assert [s[3:] for s in stages if s.startswith("ep-") and s != "ep-check"] == list(
@@ -123,7 +126,7 @@ def test_generated_stages_match_the_registry() -> None:
     # The EP default and its buildah-1.28 fallback in `final` are the registry's default.
     assert f"ARG EP={backends.DEFAULT_BACKEND}\n" in text
     assert f"FROM image-${{EP:-{backends.DEFAULT_BACKEND}}} AS final\n" in text
-    assert f"ARG UV_VERSION={tools.UV_VERSION}\n" in text
+    assert f"ARG UV_VERSION={pinned.UV_VERSION}\n" in text
 
 
 def test_select_ep_accepts_exactly_the_image_stages() -> None:
@@ -611,7 +614,7 @@ def git_mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
 def fake_context(git_mirror: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A build context: this repository's files with a project whose hybridep is the fake."""
     root, _url = git_mirror
-    version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
+    version = pins.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(root, version, dict(os.environ))
     context = tmp_path_factory.mktemp("context")
     files = subprocess.run(

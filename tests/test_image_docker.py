@@ -59,7 +59,9 @@ from _docker_engine import Daemon, EngineUnavailable, install, running
 from _progress import Progress
 from test_source_build import fake_cuda, rdma_home
 
-from ep_image import backends, dockerfile, nvshmem, project
+from ep_image import backends, pins
+from ep_image.build_steps._source_builds import nvshmem
+from ep_image.repo import dockerfile
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -460,7 +462,7 @@ def fake_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A build context whose project's hybridep is the stand-in HybridEP (a git source whose
     build needs make_venv's set-up, tests/fixtures/fake_hybridep.py), and its bare repository."""
     root = tmp_path_factory.mktemp("fake-source")
-    version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
+    version = pins.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(root / "mirror", version, dict(os.environ))
     context = root / "context"
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],

@@ -22,7 +22,9 @@ from _venv_helpers import ROOT, SCRIPTS, build_wheel, site_packages
 from test_source_build import fake_cuda
 
 from ep_image import backends as ep_backends
-from ep_image import nvshmem, project, source_build, tools
+from ep_image import pins
+from ep_image.build_steps._source_builds import nvshmem, toolchain
+from ep_image.build_steps._uv import pinned
 
 MAKE_VENV = "ep_image.build_steps.make_venv"
 
@@ -51,7 +53,9 @@ def test_uv_missing_names_the_pinned_version(tmp_path: Path) -> None:
         pytest.skip("uv is installed system-wide here")
     proc = make_venv("--backend", "deepep_v2", "--prefix", tmp_path / "venvs", env=env)
     assert proc.returncode == 1
-    assert f"uv {tools.UV_VERSION}" in proc.stderr and "python3 scripts/bootstrap.py" in proc.stderr
+    assert (
+        f"uv {pinned.UV_VERSION}" in proc.stderr and "python3 scripts/bootstrap.py" in proc.stderr
+    )
 
 
 def test_help_reads_like_documentation() -> None:
@@ -146,7 +150,7 @@ def test_hybridep_without_github_fails_cleanly(tmp_path: Path) -> None:
 
 
 def missing_rdma_headers() -> list[str]:
-    return [h for h in source_build.RDMA_HEADERS if not (Path("/usr/include") / h).is_file()]
+    return [h for h in toolchain.RDMA_HEADERS if not (Path("/usr/include") / h).is_file()]
 
 
 def test_hybridep_preflight_names_the_missing_toolkit_before_any_download(tmp_path: Path) -> None:
@@ -173,7 +177,7 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
     """Host mode's HybridEP build: the git source through url.<mirror>.insteadOf, and
     make_venv's NVSHMEM set-up (the image's ep-hybridep stage runs the same, see
     test_image_build.py::test_git_source_builds_through_the_gitconfig_secret)."""
-    version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
+    version = pins.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(tmp_path / "mirror", version, dict(os.environ))
     config = fake_hybridep.gitconfig(tmp_path / "gitconfig", f"file://{fake.bare}")
     env = {**os.environ, "GIT_CONFIG_GLOBAL": str(config), "GIT_CONFIG_NOSYSTEM": "1"}
@@ -202,8 +206,8 @@ def test_hybridep_from_a_git_mirror_builds_against_the_venvs_nvshmem(tmp_path: P
 def test_host_mode_and_the_image_build_hybridep_with_the_same_code() -> None:
     """One code path: build_host.sh (ep_image/build_steps/build_host.py) and the image's
     ep-<backend> stages both run make_venv.py (the image with --complete, whose sync is host mode's:
-    test_skeleton_then_complete_...), and the NVSHMEM set-up lives only in ep_image/nvshmem.py,
-    which make_venv's backend sync calls."""
+    test_skeleton_then_complete_...), and the NVSHMEM set-up lives only in
+    ep_image/build_steps/_source_builds/nvshmem.py, which make_venv's backend sync calls."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     stage = dockerfile.split("AS ep-hybridep\n", 1)[1].split("\nFROM ", 1)[0]
     stage = " ".join(stage.replace("\\\n", " ").split())  # one line per instruction
@@ -324,7 +328,7 @@ def test_build_host_builds_two_backends_and_dedups(tmp_path: Path) -> None:
         pytest.skip(
             "rdma-core headers missing (python3 scripts/bootstrap.py --tests installs them)"
         )
-    version = project.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
+    version = pins.locked_versions(ROOT, nvshmem.DISTRIBUTION).pop()
     fake = fake_hybridep.make(tmp_path / "mirror", version, dict(os.environ),
                               layouts=("deepep_v1", "hybridep"))  # fmt: skip
     config = fake_hybridep.gitconfig(tmp_path / "gitconfig", f"file://{fake.bare}")

@@ -79,9 +79,9 @@ def blocking_uv(directory: Path, marker: Path) -> dict[str, str]:
     """An environment whose `uv` is the real one except for `uv sync`, which marks that it
     started and then waits: a signal sent after the mark always lands mid-sync, however fast
     the machine (a warm cache builds the venv in seconds: a signal sent on a timer can miss)."""
-    from ep_image import tools
+    from ep_image.build_steps._uv import pinned
 
-    real = shutil.which("uv") or tools.find_uv()
+    real = shutil.which("uv") or pinned.find_uv()
     directory.mkdir(parents=True, exist_ok=True)
     shim = directory / "uv"
     shim.write_text(

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from _venv_helpers import ROOT, install, make_uv_venv, site_packages
 
-from ep_image import abi, ld_trace
 from ep_image import backends as ep_backends
 from ep_image.build_steps import check_installed
-from ep_image.build_steps._uv_run import BuildError
+from ep_image.build_steps._uv.run import BuildError
 from ep_image.build_steps.make_venv.venv_checks import check_abi
+from ep_image.native import abi, loader
 
 BACKEND = "ncclep"
 SPEC = ep_backends.spec(BACKEND)
@@ -127,7 +127,7 @@ def test_check_env_reports_the_library_and_the_nccl_it_binds_to(venv: Path, tmp_
 PREREQUISITES = """
 import json, sys
 from ep_image.probes._report import StepFailed
-from ep_image import trust
+from ep_image.files import trust
 from ep_image.probes._adapters import plugins
 backend = plugins.BUILTIN[sys.argv[1]]()
 try:
@@ -243,7 +243,7 @@ def test_the_abi_check_fails_when_the_nccl_under_it_lacks_its_symbols(tmp_path: 
     )
     site = site_packages(venv)
     library = site / LIBRARY
-    bound, _ = ld_trace.resolve(library, ld_trace.torch_first(site))
+    bound, _ = loader.resolve(library, loader.torch_first(site))
     assert os.path.realpath(bound["libnccl.so.2"]) == str(site / "nvidia/nccl/lib/libnccl.so.2")
     assert check_abi(venv, [SPEC.distribution], strict=True)  # binds: the control
 

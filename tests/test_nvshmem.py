@@ -1,4 +1,5 @@
-"""ep_image/nvshmem.py: HybridEP's NVSHMEM set-up, against real ELF files and the real loader.
+"""ep_image/build_steps/_source_builds/nvshmem.py: HybridEP's NVSHMEM set-up, against real ELF
+files and the real loader.
 
 The extension and the NVSHMEM library are compiled here with the host's C compiler the way
 HybridEP's setup.py links them (``-l:libnvshmem_host.so``, ``-rpath $NVSHMEM_DIR/lib``, plus the
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_image import nvshmem
+from ep_image.build_steps._source_builds import nvshmem
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,10 @@ from _venv_helpers import site_packages
 from test_make_venv import leftovers, make_venv
 from test_source_build import fake_cuda
 
-from ep_image import nvshmem, project
+from ep_image import pins
+from ep_image.build_steps._source_builds import nvshmem
 from ep_image.build_steps.make_venv import backend_wheels
+from ep_image.files.records import sha256_file
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None,
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 def source(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The stand-in HybridEP's mirror and project, and a CUDA home with the driver stubs."""
     root = tmp_path_factory.mktemp("prebuilt")
-    version = project.locked_versions(Path(__file__).resolve().parents[1], nvshmem.DISTRIBUTION)
+    version = pins.locked_versions(Path(__file__).resolve().parents[1], nvshmem.DISTRIBUTION)
     fake = fake_hybridep.make(root / "mirror", version.pop(), dict(os.environ))
     config = fake_hybridep.gitconfig(root / "gitconfig", f"file://{fake.bare}")
     return {"fake": fake, "config": config, "cuda": fake_cuda(root / "cuda"), "root": root}
@@ -66,7 +68,7 @@ def exported(source: dict) -> Path:
 def test_the_export_is_the_wheel_the_venv_was_installed_from(exported: Path, source: dict) -> None:
     record = json.loads((exported / "hybridep-wheel.json").read_text())
     wheel = exported / record["wheel"]
-    assert wheel.is_file() and record["wheel_sha256"] == project.sha256_file(wheel)
+    assert wheel.is_file() and record["wheel_sha256"] == sha256_file(wheel)
     assert record["commit"] == source["fake"].commits["hybridep"]
     assert record["backend"] == "hybridep" and record["distribution"] == "deep-ep"
     assert set(record["build_inputs"]) == {"nvidia-nvshmem-cu13"}  # what the stand-in locks

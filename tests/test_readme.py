@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_image import backends, project
+from ep_image import backends, pins
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -338,7 +338,7 @@ def test_the_first_block_runs_in_order(fresh: Path) -> None:
     proc = fresh_shell(fresh, prefix + sync + " --dry-run")
     assert proc.returncode == 0, proc.stderr
     extra = sync.split("--extra", 1)[1].split()[0]
-    url, rev = project.git_source(backends.read_pyproject(ROOT), "deep-ep", extra)
+    url, rev = pins.git_source(backends.read_pyproject(ROOT), "deep-ep", extra)
     assert f"+ deep-ep @ git+{url}@{rev}" in proc.stderr + proc.stdout, proc.stderr
     run = first[next(i for i in uv_lines if first[i].startswith("uv run"))]
     proc = fresh_shell(fresh, prefix + f"uv sync --extra {backends.DEFAULT_BACKEND}\n" + run)

@@ -144,7 +144,7 @@ def test_backend_names_are_spelled_only_where_the_registry_reaches(name: str) ->
 
 
 def _is_generated_or_stage_name(text: str) -> bool:
-    from ep_image import dockerfile
+    from ep_image.repo import dockerfile
 
     defaults = (
         f"ARG EP={backends.DEFAULT_BACKEND}",

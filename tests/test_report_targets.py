@@ -24,7 +24,7 @@ import pytest
 from conftest import clean_env
 
 from ep_image import child_env
-from ep_image.project import write_json
+from ep_image.files.records import write_json
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a device node needs root")
 
@@ -153,7 +153,7 @@ def test_make_venv_refuses_a_device_node_where_a_record_goes(tmp_path: Path, mod
 
 @needs_root
 def test_the_one_writer_of_records_refuses_to_replace_a_device(tmp_path: Path):
-    """project.write_json, which every record goes through, checks again at write time."""
+    """records.write_json, which every record goes through, checks again at write time."""
     node = device_node(tmp_path / "record.json")
     with pytest.raises(OSError, match="a character device"):
         write_json(node, {"a": 1})

@@ -1,4 +1,5 @@
-"""ep_image/source_build.py: a backend's source build is checked first, links NVML, and is keyed.
+"""ep_image/build_steps/_source_builds/ (toolchain, uv_cache): a backend's source build is
+checked first, links NVML, and is keyed.
 
 Why these tests: HybridEP's multi-node build needs rdma-core headers and links
 ``libnvidia-ml.so.1`` (absent on a build machine without a driver); without the checks it fails
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_build_variables import Consumer
 
-from ep_image import source_build
+from ep_image.build_steps._source_builds import toolchain, uv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
@@ -49,7 +50,7 @@ def compile_shared(out: Path, source: str, *args: str) -> None:
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src), *args], check=True)
 
 
-def rdma_home(root: Path, headers: tuple[str, ...] = source_build.RDMA_HEADERS) -> Path:
+def rdma_home(root: Path, headers: tuple[str, ...] = toolchain.RDMA_HEADERS) -> Path:
     for header in headers:
         (root / "include" / header).parent.mkdir(parents=True, exist_ok=True)
         (root / "include" / header).write_text("/* rdma-core */\n")
@@ -61,30 +62,30 @@ MULTINODE = {"HYBRID_EP_MULTINODE": "1", "USE_NIXL": "0"}
 
 def test_the_projects_declared_variables_select_the_multinode_doca_build() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    variables = source_build.declared_variables(pyproject, "deep-ep")
-    assert source_build.multinode_doca(variables)
-    assert not source_build.multinode_doca({**variables, "USE_NIXL": "1"})
-    assert not source_build.multinode_doca({})
+    variables = toolchain.declared_variables(pyproject, "deep-ep")
+    assert toolchain.multinode_doca(variables)
+    assert not toolchain.multinode_doca({**variables, "USE_NIXL": "1"})
+    assert not toolchain.multinode_doca({})
 
 
 def test_preflight_names_missing_rdma_headers_and_nvcc(tmp_path: Path) -> None:
     cuda = fake_cuda(tmp_path / "cuda")
     rdma = rdma_home(tmp_path / "rdma", headers=("infiniband/verbs.h",))
     variables = {**MULTINODE, "RDMA_CORE_HOME": str(rdma)}
-    problems = source_build.preflight(variables, {"CUDA_HOME": str(cuda)})
+    problems = toolchain.preflight(variables, {"CUDA_HOME": str(cuda)})
     assert len(problems) == 1 and "infiniband/mlx5dv.h" in problems[0], problems
     assert "apt-get install libibverbs-dev" in problems[0]
 
     rdma_home(rdma)
-    assert source_build.preflight(variables, {"CUDA_HOME": str(cuda)}) == []
+    assert toolchain.preflight(variables, {"CUDA_HOME": str(cuda)}) == []
 
-    problems = source_build.preflight(variables, {"CUDA_HOME": str(tmp_path / "none")})
+    problems = toolchain.preflight(variables, {"CUDA_HOME": str(tmp_path / "none")})
     assert any("no nvcc" in p and "CUDA_HOME" in p for p in problems), problems
     assert any("libnvidia-ml.so.1" in p for p in problems), problems
     assert any("links libcuda.so" in p and "stubs" in p for p in problems), problems
     # Without the multi-node variables (DeepEP v1, v2): nvcc and -lcuda only.
-    assert source_build.preflight({}, {"CUDA_HOME": str(cuda)}) == []
-    problems = source_build.preflight({}, {"CUDA_HOME": str(tmp_path / "none")})
+    assert toolchain.preflight({}, {"CUDA_HOME": str(cuda)}) == []
+    problems = toolchain.preflight({}, {"CUDA_HOME": str(tmp_path / "none")})
     assert len(problems) == 2 and "no nvcc" in problems[0] and "libcuda.so" in problems[1]
 
 
@@ -101,10 +102,10 @@ def test_the_driver_stubs_let_the_linker_resolve_lcuda_and_libnvidia_ml_so_1(
     flags = ("-l:libnvidia-ml.so.1", "-lcuda", "-Wl,-z,defs")
     with pytest.raises(subprocess.CalledProcessError):
         compile_shared(tmp_path / "without.so", source, *flags)
-    names = source_build.driver_links(MULTINODE)
-    assert names == (source_build.CUDA_LINK, source_build.NVML)
-    assert source_build.driver_links({}) == (source_build.CUDA_LINK,)
-    extra = source_build.link_stubs(env, tmp_path / "scratch", names)
+    names = toolchain.driver_links(MULTINODE)
+    assert names == (toolchain.CUDA_LINK, toolchain.NVML)
+    assert toolchain.driver_links({}) == (toolchain.CUDA_LINK,)
+    extra = toolchain.link_stubs(env, tmp_path / "scratch", names)
     assert extra["LIBRARY_PATH"].split(os.pathsep)[0] == str(tmp_path / "scratch")
     gcc_env = {**os.environ, **extra}
     src = tmp_path / "with.c"
@@ -119,26 +120,26 @@ def test_the_driver_stubs_let_the_linker_resolve_lcuda_and_libnvidia_ml_so_1(
     assert "[libnvidia-ml.so.1]" in dynamic and "[libcuda.so]" in dynamic
     # The driver's libraries already on the link path: no stub.
     on_path = {**env, "LIBRARY_PATH": str(tmp_path / "scratch")}
-    assert source_build.link_stubs(on_path, tmp_path / "x", names) == {}
+    assert toolchain.link_stubs(on_path, tmp_path / "x", names) == {}
 
 
 def test_build_key_follows_the_arch_list_and_the_nvcc_release(tmp_path: Path) -> None:
     cuda = fake_cuda(tmp_path / "cuda", stub=False)
     env = {"CUDA_HOME": str(cuda), "TORCH_CUDA_ARCH_LIST": "9.0"}
-    key = source_build.build_key(env, MULTINODE)
+    key = uv_cache.build_key(env, MULTINODE)
     assert key["nvcc"] == "Cuda compilation tools, release 13.0, V13.0.88"
     assert key["declared:HYBRID_EP_MULTINODE"] == "1"
-    digest = source_build.key_digest(key)
-    assert digest == source_build.key_digest(source_build.build_key(dict(env), MULTINODE))
-    other_arch = source_build.build_key({**env, "TORCH_CUDA_ARCH_LIST": "9.0;10.0"}, MULTINODE)
-    assert source_build.key_digest(other_arch) != digest
+    digest = uv_cache.key_digest(key)
+    assert digest == uv_cache.key_digest(uv_cache.build_key(dict(env), MULTINODE))
+    other_arch = uv_cache.build_key({**env, "TORCH_CUDA_ARCH_LIST": "9.0;10.0"}, MULTINODE)
+    assert uv_cache.key_digest(other_arch) != digest
     (cuda / "bin" / "nvcc").write_text(NVCC.replace("13.0", "13.1"))
-    assert source_build.key_digest(source_build.build_key(env, MULTINODE)) != digest
+    assert uv_cache.key_digest(uv_cache.build_key(env, MULTINODE)) != digest
     # The venv-derived paths make_venv sets are not part of it (they change every build).
     noisy = {**env, "NVSHMEM_DIR": "/p/.hybridep.tmp-1/x", "LDFLAGS": "-L/p/.hybridep.tmp-1"}
-    assert source_build.key_digest(source_build.build_key(noisy, MULTINODE)) != digest  # nvcc
+    assert uv_cache.key_digest(uv_cache.build_key(noisy, MULTINODE)) != digest  # nvcc
     (cuda / "bin" / "nvcc").write_text(NVCC)
-    assert source_build.key_digest(source_build.build_key(noisy, MULTINODE)) == digest
+    assert uv_cache.key_digest(uv_cache.build_key(noisy, MULTINODE)) == digest
 
 
 def test_a_changed_environment_input_rebuilds_through_the_real_uv(tmp_path: Path) -> None:
@@ -151,21 +152,21 @@ def test_a_changed_environment_input_rebuilds_through_the_real_uv(tmp_path: Path
     uv_env = {**os.environ, "UV_CACHE_DIR": str(consumer.cache)}
 
     def key(arch: str) -> dict[str, str | None]:
-        return source_build.build_key({"TORCH_CUDA_ARCH_LIST": arch}, MULTINODE)
+        return uv_cache.build_key({"TORCH_CUDA_ARCH_LIST": arch}, MULTINODE)
 
-    assert source_build.refresh_cache("uv", distribution, key("9.0"), uv_env) == "first"
+    assert uv_cache.refresh_cache("uv", distribution, key("9.0"), uv_env) == "first"
     first = consumer.sync(TORCH_CUDA_ARCH_LIST="9.0")
     assert first["env"]["TORCH_CUDA_ARCH_LIST"] == "9.0"
 
-    assert source_build.refresh_cache("uv", distribution, key("9.0"), uv_env) == "unchanged"
+    assert uv_cache.refresh_cache("uv", distribution, key("9.0"), uv_env) == "unchanged"
     again = consumer.sync("--reinstall-package", distribution, TORCH_CUDA_ARCH_LIST="9.0")
     assert again["nonce"] == first["nonce"]  # the cached wheel, rightly
 
-    assert source_build.refresh_cache("uv", distribution, key("10.0"), uv_env) == "changed"
+    assert uv_cache.refresh_cache("uv", distribution, key("10.0"), uv_env) == "changed"
     rebuilt = consumer.sync("--reinstall-package", distribution, TORCH_CUDA_ARCH_LIST="10.0")
     assert rebuilt["nonce"] != first["nonce"]
     assert rebuilt["env"]["TORCH_CUDA_ARCH_LIST"] == "10.0"
-    record = consumer.cache / f"{source_build.KEY_PREFIX}{distribution}.json"
+    record = consumer.cache / f"{uv_cache.KEY_PREFIX}{distribution}.json"
     assert '"TORCH_CUDA_ARCH_LIST": "10.0"' in record.read_text()
 
 
@@ -181,15 +182,15 @@ def test_a_bare_make_j_is_bounded_by_max_jobs(tmp_path: Path) -> None:
     plain = subprocess.run(["make", "-C", str(work), "-j", "all", "WHO=a b"], capture_output=True,
                            text=True, check=True, env=env).stdout  # fmt: skip
     assert re.search(r"\[\w* -j( --|\])", plain), plain  # a bare -j: unbounded
-    extra = source_build.bounded_make(env, tmp_path / "scratch")
+    extra = toolchain.bounded_make(env, tmp_path / "scratch")
     assert extra["EP_MAKE_JOBS"] == "3" and extra["PATH"].startswith(str(tmp_path / "scratch"))
     out = subprocess.run(["make", "-C", str(work), "-j", "all", "WHO=a b"], capture_output=True,
                          text=True, check=True, env={**env, **extra}).stdout  # fmt: skip
     assert "-j3 --jobserver-auth" in out and "[a b]" in out, out
     assert " -l" not in out.split("--jobserver-auth")[0], out  # the declared load bound lifted
-    assert source_build.bounded_make({**env, "MAX_JOBS": "x"}, tmp_path / "s2")[
-        "EP_MAKE_JOBS"
-    ] == str(os.cpu_count())
+    assert toolchain.bounded_make({**env, "MAX_JOBS": "x"}, tmp_path / "s2")["EP_MAKE_JOBS"] == str(
+        os.cpu_count()
+    )
 
 
 def _busy_makefile(work: Path, jobs: int) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from _venv_helpers import ROOT, build_wheel
 
-from ep_image import tools
+from ep_image.build_steps._uv import trust_store
 
 SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 pytestmark = pytest.mark.skipif(
@@ -126,7 +126,7 @@ def test_a_given_bundle_is_used(index: dict, venv: Path) -> None:
 
 def test_an_explicit_choice_is_kept() -> None:
     env = {"UV_SYSTEM_CERTS": "0", "SSL_CERT_DIR": "/etc/ssl/certs"}
-    assert tools.use_system_trust_store(env) == "UV_SYSTEM_CERTS=0 (as set)"
+    assert trust_store.use_system_trust_store(env) == "UV_SYSTEM_CERTS=0 (as set)"
     assert env["UV_SYSTEM_CERTS"] == "0"
 
 

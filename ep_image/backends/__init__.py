@@ -28,7 +28,7 @@ from ep_image.backends._spec import (
     Provider,
     Variant,
 )
-from ep_image.project import PinError, git_source, normalize, read_toml
+from ep_image.pins import PinError, git_source, normalize, read_toml
 
 __all__ = [
     "ALL", "BACKEND_EXTRAS", "BACKEND_NAMES", "DEFAULT_BACKEND", "INTERNODE_CHECKS", "MODULE",

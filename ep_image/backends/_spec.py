@@ -9,7 +9,8 @@ from dataclasses import dataclass
 MODULE = "deep_ep"
 
 #: What ``build_needs`` may hold. NVSHMEM: the source build links NVSHMEM from NVSHMEM_DIR;
-#: make_venv points that at the venv's own nvidia-nvshmem (ep_image/nvshmem.py).
+#: make_venv points that at the venv's own nvidia-nvshmem
+#: (ep_image/build_steps/_source_builds/nvshmem.py).
 NVSHMEM = "nvshmem"
 #: NCCL: the source build links ``-l:libnccl.so.2`` without a ``-L`` for it (DeepEP v2's
 #: setup.py at af9a0403); make_venv puts the venv's own nvidia-nccl on that build's LIBRARY_PATH.

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ep_image import SOURCE_ROOT
-from ep_image.build_steps._uv_run import BuildError, run
+from ep_image.build_steps._uv.run import BuildError, run
 
 
 def check_lock(uv: str, project: Path) -> None:

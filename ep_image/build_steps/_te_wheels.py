@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ep_image.build_steps._uv_run import run
+from ep_image.build_steps._uv.run import run
 from ep_image.cli import FixableError
-from ep_image.project import sha256_file
+from ep_image.files.records import sha256_file
 
 TE_DISTRIBUTION = "transformer-engine"
 #: What a TE build may install besides TE itself (its framework and core wheels).

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """bootstrap.py: install what this repository's commands need, on a machine with only Python.
 
-Installs the pinned uv (ep_image/tools.py) where PATH lacks it, from PyPI's wheel with its
-SHA-256 checked, into ``~/.cache/ep-image/uv-<version>/bin``; with ``--tests`` also the test
-tools, through apt-get as root. See docs/ci.md, section "CPU CI (ci.yml) and its local twin
-.ci/run". Standard library only, the command-line scaffold (ep_image/cli.py) included: it runs
-on a bare python3, before any venv exists.
+Installs the pinned uv (ep_image/build_steps/_uv/pinned.py) where PATH lacks it, from PyPI's
+wheel with its SHA-256 checked, into ``~/.cache/ep-image/uv-<version>/bin``; with ``--tests``
+also the test tools, through apt-get as root. See docs/ci.md, section "CPU CI (ci.yml) and its
+local twin .ci/run". Standard library only, the command-line scaffold (ep_image/cli.py)
+included: it runs on a bare python3, before any venv exists.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ep_image import cli
-from ep_image.tools import UV_VERSION, bootstrap_dir, use_system_trust_store
+from ep_image.build_steps._uv.pinned import UV_VERSION, bootstrap_dir
+from ep_image.build_steps._uv.trust_store import use_system_trust_store
 
 PROG = "bootstrap"
 #: PyPI's simple index in its JSON form (PEP 691), which every PyPI mirror serves.

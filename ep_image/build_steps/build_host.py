@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image import child_env, cli, tools
+from ep_image import child_env, cli
 from ep_image.build_steps import dedup
-from ep_image.tools import USE_EP
+from ep_image.build_steps._uv import trust_store
+from ep_image.build_steps._venv.layout import USE_EP
 
 #: The name of what the user ran, for usage and messages: the entry point build-host,
 #: scripts/build_host.sh (which says so in EP_IMAGE_DOOR), or the Python front door
@@ -169,7 +170,7 @@ def build(args: argparse.Namespace, prefix: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    tools.use_system_trust_store()  # behind a TLS-inspecting proxy too; make_venv inherits it
+    trust_store.use_system_trust_store()  # behind a TLS-inspecting proxy too; make_venv inherits it
     prefix = Path(os.path.abspath(args.prefix))
     try:
         prefix.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@
 proves that a backend works), this check catches the cheap failures on any machine, GPU or not:
 the wrong distribution providing `deep_ep`, two of them at once, a missing identifying file,
 a compiled extension whose shared libraries the dynamic loader would not find (asked in
-trace mode, as `ldd` does: ep_image/ld_trace.py), or one that needs symbols those libraries do
-not export, e.g. built against another torch (bound by the loader: ep_image/abi.py). It never
+trace mode, as `ldd` does: ep_image/native/loader.py), or one that needs symbols those libraries do
+not export, e.g. built against another torch (bound by the loader: ep_image/native/abi.py). It never
 imports `deep_ep` (that needs a GPU driver), so it runs on CPU-only CI and build hosts.
 
     check-installed --venv /opt/venvs/BACKEND --backend BACKEND [--json PATH]
@@ -23,8 +23,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ep_image import abi, cli, dist_records, ld_trace, project
 from ep_image import backends as ep_backends
+from ep_image import cli
+from ep_image.build_steps._venv import dist_records
+from ep_image.build_steps._venv.layout import VENV_RECORD, VenvError, site_packages
+from ep_image.files.records import write_json
+from ep_image.native import abi, loader
 
 # Provided by the GPU driver on the host at run time, never by a venv or an image.
 DRIVER_LIBS = frozenset({"libcuda.so.1", "libnvidia-ml.so.1"})
@@ -53,8 +57,8 @@ class Report:
 def find_site_packages(venv: Path) -> Path:
     """The venv's site-packages (lib/pythonX.Y/site-packages)."""
     try:
-        return project.site_packages(venv)
-    except project.VenvError as exc:
+        return site_packages(venv)
+    except VenvError as exc:
         raise FileNotFoundError(str(exc)) from None
 
 
@@ -101,9 +105,9 @@ def resolve_extensions(
         report.problems.append(missing)
         return
     report.ld_library_path = os.environ.get("LD_LIBRARY_PATH", "")
-    preload = ld_trace.torch_first(site)
+    preload = loader.torch_first(site)
     for ext in extensions:
-        direct, deeper = ld_trace.resolve(ext, preload)
+        direct, deeper = loader.resolve(ext, preload)
         resolved: dict[str, str | None] = {}
         for needed, where in direct.items():
             if where is None and needed in DRIVER_LIBS:
@@ -132,8 +136,8 @@ TE_DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transform
 
 def check_symbols(venv: Path, site: Path, distributions: list[str], report: Report) -> None:
     """Bind every symbol the extensions of ``distributions`` (what ships ``deep_ep`` here) and
-    TE's need, as importing them would (ep_image/abi.py): a library that is found can still lack
-    the symbol an extension built against another version needs."""
+    TE's need, as importing them would (ep_image/native/abi.py): a library that is found can
+    still lack the symbol an extension built against another version needs."""
     python = venv / "bin" / "python"
     results = abi.check(site, python, [*distributions, *TE_DISTRIBUTIONS])
     report.abi = [r.to_json() for r in results]
@@ -145,7 +149,7 @@ def recorded_versions(venv: Path, installed: dict[str, str]) -> list[str]:
     """Distributions whose version differs from what the venv's record (ep-backend.json) says
     was installed."""
     try:
-        record = json.loads((venv / project.VENV_RECORD).read_text())
+        record = json.loads((venv / VENV_RECORD).read_text())
     except (OSError, ValueError):
         return []
     problems = []
@@ -153,7 +157,7 @@ def recorded_versions(venv: Path, installed: dict[str, str]) -> list[str]:
         name, version = ep_backends.normalize(entry["name"]), entry["version"]
         if name in installed and installed[name] != version:
             problems.append(
-                f"{name} {installed[name]} is installed, but {project.VENV_RECORD} records "
+                f"{name} {installed[name]} is installed, but {VENV_RECORD} records "
                 f"{version}: rebuild the venv with make_venv"
             )
     return problems
@@ -243,13 +247,13 @@ def run(args: argparse.Namespace) -> int:
             "pass --venv <prefix>/<backend>, a venv that make_venv built",
             EXIT_USAGE,
         ) from None
-    except ld_trace.LoaderError as error:
+    except loader.LoaderError as error:
         raise cli.FixableError(
             str(error), "run it on a glibc Linux system, whose ld.so can trace the venv", EXIT_USAGE
         ) from None
     print_report(report)
     if args.json:
-        project.write_json(args.json, asdict(report), sort_keys=False)
+        write_json(args.json, asdict(report), sort_keys=False)
     if not report.problems:
         return EXIT_OK
     # The report above says what is wrong; the last line, like every refusal's, says what to do.

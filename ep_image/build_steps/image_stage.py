@@ -21,11 +21,10 @@ from pathlib import Path
 
 from ep_image import SOURCE_ROOT, backends, child_env, cli
 from ep_image.build_steps import dedup, stage_cudnn, tree_sync
-from ep_image.project import SKELETON_RECORD as SKELETON_FILE
-from ep_image.project import VENV_RECORD as INFO_FILE
-from ep_image.project import write_json
-from ep_image.record_path import not_a_file
-from ep_image.tools import USE_EP
+from ep_image.build_steps._venv.layout import SKELETON_RECORD as SKELETON_FILE
+from ep_image.build_steps._venv.layout import USE_EP
+from ep_image.build_steps._venv.layout import VENV_RECORD as INFO_FILE
+from ep_image.files.records import not_a_file, write_json
 
 PROG = "image_stage"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ep_image import cli
 from ep_image.build_steps._te_wheels import TE_RECORD
-from ep_image.build_steps._venv_cudnn import CudnnError, find_cudnn, read_cudnn_version
-from ep_image.project import write_json
+from ep_image.build_steps._venv.cudnn import CudnnError, find_cudnn, read_cudnn_version
+from ep_image.files.records import write_json
 
 LDCONF = Path("/etc/ld.so.conf.d/000-ep-venv-cudnn.conf")
 SONAME = "libcudnn.so.9"

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import cli, mounts
+from ep_image import cli
+from ep_image.files import mounts
 
 #: At most this many problems of the source are listed (then how many more).
 _LISTED = 20

@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ep_image import abi
 from ep_image import backends as registry
-from ep_image.probes import _facts, _venv_record
+from ep_image.native import abi
+from ep_image.probes import _installed, _venv_record
 from ep_image.probes._report import Status, one_line
 
 MODULE = registry.MODULE
@@ -81,7 +81,7 @@ def provenance(
     dist_name: str | None, version: str | None, direct_url: dict[str, Any] | None
 ) -> tuple[str | None, str | None, str]:
     """(upstream repository, commit, how the commit is known or why it is not)."""
-    commit = _facts.commit_of(version, direct_url)
+    commit = _installed.commit_of(version, direct_url)
     url = (direct_url or {}).get("url")
     vcs = (direct_url or {}).get("vcs_info") or {}
     if vcs.get("commit_id"):
@@ -113,9 +113,9 @@ def _distribution_of(module: str) -> tuple[str | None, str | None]:
     # deep_ep: a distribution whose RECORD lists it (some builds register as "deep_ep"), else
     # any known name that is installed. A dotted module shares its top level (nccl4py owns
     # nccl.core beside nccl.ep), so only the known names tell.
-    names = [*_facts.providers_of(module), *KNOWN_DISTRIBUTIONS] if module == MODULE else known
+    names = [*_installed.providers_of(module), *KNOWN_DISTRIBUTIONS] if module == MODULE else known
     for name in names:
-        found = _facts.dist_version(name)
+        found = _installed.dist_version(name)
         if found:
             return found
     return None, None
@@ -123,7 +123,7 @@ def _distribution_of(module: str) -> tuple[str | None, str | None]:
 
 def detect_module(module: str = MODULE) -> Installed:
     """Identify the provider of ``module`` from metadata and layout; never imports it."""
-    package_dir = _facts.module_dir(module)
+    package_dir = _installed.module_dir(module)
     dist_name, version = _distribution_of(module)
     if package_dir is None:
         reason = f"no module named {module} on sys.path"
@@ -151,9 +151,9 @@ def detect_module(module: str = MODULE) -> Installed:
     else:
         reason = f"{module} at {package_dir} has no known layout (no {', '.join(markers.values())})"
 
-    direct_url = _facts.dist_direct_url(dist_name) if dist_name else None
+    direct_url = _installed.dist_direct_url(dist_name) if dist_name else None
     upstream, commit, commit_source = provenance(dist_name, version, direct_url)
-    build_info = _facts.read_literal_assignments(package_dir / "_build_info.py")
+    build_info = _installed.read_literal_assignments(package_dir / "_build_info.py")
     return Installed(
         backend=layout,
         module_dir=str(package_dir),
@@ -315,15 +315,15 @@ def classify_import_failure(
         return Status.ERROR, detail, hint
     symbol = undefined_symbol(text)
     if symbol and abi.symbol_origin(symbol) == "torch":
-        torch = (_facts.dist_version("torch") or ("torch", "unknown"))[1]
+        torch = (_installed.dist_version("torch") or ("torch", "unknown"))[1]
         return (
             Status.ERROR,
             f"import {module} failed: {last}",
             f"the backend's extension was built against another torch than this venv's torch "
             f"{torch} (it needs {symbol}, which this torch does not export): reinstalling the "
             "same build cannot help. Build it from source against this torch (scripts/"
-            "make_venv.py does, and refuses such a venv: ep_image/abi.py), or install a build "
-            "that declares this torch in its requirements",
+            "make_venv.py does, and refuses such a venv: ep_image/native/abi.py), or install a "
+            "build that declares this torch in its requirements",
         )
     if "ncclCommQueryProperties" in text or ("undefined symbol" in text and "nccl" in text.lower()):
         return Status.ERROR, f"import {module} failed: {last}", NCCL_FIX

@@ -1,5 +1,5 @@
-"""Which cuDNN libraries a process maps, from which directories and releases, and which
-ones a by-name load would get through ``LD_LIBRARY_PATH``.
+"""Which cuDNN libraries a process maps, from which directories and releases, which ones a
+by-name load would get through ``LD_LIBRARY_PATH``, and the one it uses (``loaded_cudnn``).
 
 Why: cuDNN 9 is split into sub-libraries (``libcudnn.so.9``, ``libcudnn_graph``,
 ``libcudnn_ops``, ``libcudnn_heuristic``, the engines, ...) that bind each other's versioned
@@ -17,6 +17,7 @@ path still shows the cause. Every look here is bounded: the maps, the named file
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import os
@@ -24,7 +25,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ep_image.probes import _facts
+from ep_image.probes._mapped import mapped_libraries
+from ep_image.probes._versions import parse_version_triplet
 
 #: Base names of cuDNN's libraries: ``libcudnn.so.9``, ``libcudnn_graph.so.9.14.0``, ...
 CUDNN_NAME = r"^libcudnn(_[a-z_]+)?\.so"
@@ -111,9 +113,9 @@ def file_version(path: str, mapped: bool = False) -> tuple[str | None, str]:
     if wheel:
         return wheel
     if mapped:
-        raw, _error = _facts.cudnn_version_at(path)
+        raw, _error = cudnn_version_at(path)
         if raw:
-            return "{}.{}.{}".format(*_facts.decode_cudnn_version(raw)), "cudnnGetVersion"
+            return "{}.{}.{}".format(*decode_cudnn_version(raw)), "cudnnGetVersion"
     return None, ""
 
 
@@ -132,7 +134,7 @@ def _wheel_version(path: str) -> tuple[str, str] | None:
         except OSError:
             continue
         version = re.search(r"^Version:\s*(\S+)", meta, re.MULTILINE)
-        triplet = _facts.parse_version_triplet(version.group(1) if version else None)
+        triplet = parse_version_triplet(version.group(1) if version else None)
         if triplet:
             return "{}.{}.{}".format(*triplet), f"wheel {dist_info.name.removesuffix('.dist-info')}"
     return None
@@ -168,7 +170,7 @@ def survey(maps_text: str | None = None, search_path: str | None = None) -> dict
     search_path = loader_search_path() if search_path is None else search_path
     files = [
         CudnnFile(p, *file_version(p, mapped=maps_text is None))
-        for p in _facts.mapped_libraries(CUDNN_NAME, maps_text)
+        for p in mapped_libraries(CUDNN_NAME, maps_text)
     ]
     dirs: dict[str, str | None] = {}
     for f in files:
@@ -292,3 +294,56 @@ def foreign_sublibrary(error: str, search_path: str | None = None) -> tuple[str,
         f"LD_LIBRARY_PATH, not from {lib_dir} ({version or 'release unknown'})",
         fix_line(lib_dir, [os.path.dirname(other)], search_path),
     )
+
+
+def loaded_cudnn(load_if_absent: bool = True) -> dict[str, Any]:
+    """The cuDNN library this process actually uses: its path and ``cudnnGetVersion()``.
+
+    The library is looked up in ``/proc/self/maps`` (what the dynamic loader chose, which is
+    the whole question when two copies exist); ``load_if_absent`` loads ``libcudnn.so.9``
+    by soname first, as torch would. Returns ``{"path": None, ...}`` when there is none.
+    """
+    paths = mapped_libraries(r"^libcudnn\.so")
+    if not paths and load_if_absent:
+        for soname in ("libcudnn.so.9", "libcudnn.so.8", "libcudnn.so"):
+            try:
+                ctypes.CDLL(soname)
+                break
+            except OSError:
+                continue
+        paths = mapped_libraries(r"^libcudnn\.so")
+    info: dict[str, Any] = {"path": None, "version": None, "all_mapped": paths, "versions": {}}
+    if not paths:
+        return info
+    for path in paths:
+        raw, error = cudnn_version_at(path)
+        info["versions"][path] = "{}.{}.{}".format(*decode_cudnn_version(raw)) if raw else None
+        if path == paths[0]:
+            info["path"] = path
+            if raw is None:
+                info["error"] = error
+            else:
+                info["raw"] = raw
+                info["version"] = info["versions"][path]
+    return info
+
+
+def cudnn_version_at(path: str) -> tuple[int | None, str | None]:
+    """``cudnnGetVersion()`` of the library file at ``path`` (already mapped: same handle)."""
+    try:
+        lib = ctypes.CDLL(path)
+        lib.cudnnGetVersion.restype = ctypes.c_size_t
+        return int(lib.cudnnGetVersion()), None
+    except (OSError, AttributeError) as exc:
+        return None, f"cudnnGetVersion failed: {exc}"
+
+
+def decode_cudnn_version(value: int) -> tuple[int, int, int]:
+    """``cudnnGetVersion()``'s integer as (major, minor, patch).
+
+    cuDNN 9 encodes ``major*10000 + minor*100 + patch`` (9.20.0 -> 92000); cuDNN 8 and older
+    encoded ``major*1000 + minor*100 + patch`` (8.9.7 -> 8907).
+    """
+    if value >= 90000:
+        return value // 10000, (value % 10000) // 100, value % 100
+    return value // 1000, (value % 1000) // 100, value % 100

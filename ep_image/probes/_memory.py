@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ep_image import mounts
+from ep_image.files import mounts
 
 _CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes")
 _CGROUP_V2 = ("memory.max", "memory.current")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ep_image.cli import EXIT_USAGE
-from ep_image.project import write_json
+from ep_image.files.records import write_json
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -214,8 +214,8 @@ def exit_code_of(steps: Iterable[Step], require: bool = False, judged: Collectio
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, fsync: bool = True) -> None:
     """Write ``obj`` as JSON to ``path`` atomically, world-readable and (``fsync``) on disk
-    (ep_image/project.py): a reader (CI, a dashboard) never sees a half-written report, even if
-    the probe is killed."""
+    (ep_image/files/records.py): a reader (CI, a dashboard) never sees a half-written report,
+    even if the probe is killed."""
     write_json(Path(path), obj, sort_keys=False, default=str, fsync=fsync)
 
 

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ep_image import SOURCE_ROOT
-from ep_image.probes import _facts
+from ep_image.probes import _mapped
 
-#: The venv record make_venv.py writes (ep_image/project.py VENV_RECORD), and a skeleton's.
+#: The venv record make_venv.py writes (ep_image/build_steps/_venv/layout.py VENV_RECORD), and
+#: a skeleton's.
 RECORDS = ("ep-backend.json", "ep-skeleton.json")
 #: Record fields a report repeats: what the venv was made from and what it leaves out.
 RECORD_FIELDS = (
@@ -81,7 +82,7 @@ def venv_record(prefix: str | None = None) -> dict[str, Any]:
 def _mapped_objects() -> list[str]:
     """Every file the process has mapped (``/proc/self/maps``), once each."""
     try:
-        return sorted(_facts.parse_maps(Path("/proc/self/maps").read_text()))
+        return sorted(_mapped.parse_maps(Path("/proc/self/maps").read_text()))
     except OSError:
         return []
 

@@ -18,7 +18,16 @@ from typing import Any
 
 from ep_image import backends as registry
 from ep_image import cli
-from ep_image.probes import _backend_detect, _facts, _venv_record
+from ep_image.probes import (
+    _backend_detect,
+    _cuda,
+    _cudnn_libs,
+    _installed,
+    _mapped,
+    _te,
+    _torch_stack,
+    _venv_record,
+)
 from ep_image.probes._report import EXIT_OK, SCHEMA_VERSION, one_line, write_report
 
 PROG = "check_env"
@@ -40,22 +49,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--te-build-info",
         metavar="PATH",
         help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
-        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
+        f"the directory holding this venv, else {_te.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     return parser.parse_args(argv)
 
 
 def _dist(*names: str) -> dict[str, Any] | None:
-    found = _facts.dist_version(*names)
+    found = _installed.dist_version(*names)
     return {"distribution": found[0], "version": found[1]} if found else None
 
 
 def torch_section() -> tuple[dict[str, Any] | None, str | None]:
     """torch's own view of itself (None when torch is absent or does not import)."""
-    if _facts.module_dir("torch") is None:
+    if _installed.module_dir("torch") is None:
         return None, None
     try:
-        return _facts.torch_facts(), None
+        return _torch_stack.torch_facts(), None
     except Exception as exc:  # a broken torch is a fact to report, not a crash
         return None, one_line(f"{type(exc).__name__}: {exc}")
 
@@ -74,15 +83,15 @@ def backend_library(backend: str | None, module_dir: str | None) -> dict[str, An
 def collect(te_build_info: str | None = None) -> dict[str, Any]:
     """Everything the manifest reports; each probe is independent and failure-tolerant."""
     torch_info, torch_error = torch_section()
-    build_info_path = _facts.te_build_info_path(te_build_info)
-    build_info = _facts.read_json_file(build_info_path) if build_info_path else None
-    loaded = _facts.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
+    build_info_path = _te.te_build_info_path(te_build_info)
+    build_info = _te.read_json_file(build_info_path) if build_info_path else None
+    loaded = _cudnn_libs.loaded_cudnn(load_if_absent=torch_info is not None) if torch_info else None
     installed = _backend_detect.detect_installed()
-    cuda_home, cuda_home_from = _facts.toolkit_home()
-    nvcc, nvcc_version = _facts.nvcc_version(cuda_home)
-    te_dir = _facts.module_dir("transformer_engine")
-    gpus = _facts.nvidia_smi()
-    nccl_mapped = _facts.mapped_libraries(r"^libnccl\.so")
+    cuda_home, cuda_home_from = _cuda.toolkit_home()
+    nvcc, nvcc_version = _cuda.nvcc_version(cuda_home)
+    te_dir = _installed.module_dir("transformer_engine")
+    gpus = _cuda.nvidia_smi()
+    nccl_mapped = _mapped.mapped_libraries(r"^libnccl\.so")
 
     return {
         "python": {
@@ -99,7 +108,7 @@ def collect(te_build_info: str | None = None) -> dict[str, Any]:
             "nvcc_version": nvcc_version,
         },
         "transformer_engine": {
-            "dist": _dist(*_facts.TE_DISTRIBUTIONS),
+            "dist": _dist(*_te.TE_DISTRIBUTIONS),
             "module_dir": str(te_dir) if te_dir else None,
             "build_info_path": build_info_path,
             "build_info": build_info,
@@ -177,7 +186,7 @@ def table(m: dict[str, Any]) -> str:
     if te["module_dir"]:
         te_text += f" at {te['module_dir']}"
     if te["build_info_path"] is None:
-        built_text = f"null, {_facts.no_te_build_info()}"
+        built_text = f"null, {_te.no_te_build_info()}"
     else:
         built_text = f"{_fmt(m['cudnn']['built'])} (from {te['build_info_path']}"
         built_text += ")" if te["build_info"] else ": absent)"

@@ -1,10 +1,11 @@
 """Time make_venv's two whole-venv checks on NCCL EP's venv: the ABI check and the RECORD check.
 
 Builds the venv once (uv, the lock's torch and nccl-extensions[cu13], hardlinked from uv's
-cache), then times ``ep_image.abi.check`` (every extension of nccl-extensions bound to the venv's
-libraries) and ``ep_image.dist_records.verify`` (every installed file against its RECORD) with
-the ``ep_image`` of ``--source`` (a checkout of any commit: this commit's, or an older one for
-the figure before a change), each ``--runs`` times, the file cache warm after the first.
+cache), then times ``ep_image.native.abi.check`` (every extension of nccl-extensions bound to the
+venv's libraries) and ``ep_image.build_steps._venv.dist_records.verify`` (every installed file
+against its RECORD; both at ep_image's root before #47) with the ``ep_image`` of ``--source``
+(a checkout of any commit: this commit's, or an older one for the figure before a change), each
+``--runs`` times, the file cache warm after the first.
 
     python3 evidence/2026-12-05-cpu/venv_check_timing.py --source . --out after.json
 """
@@ -44,7 +45,11 @@ def measure(source: Path, venv: Path, runs: int) -> dict[str, object]:
 import json, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(source)!r})
-from ep_image import abi, dist_records
+try:
+    from ep_image.build_steps._venv import dist_records
+    from ep_image.native import abi
+except ImportError:  # a checkout from before #47 moved them out of ep_image's root
+    from ep_image import abi, dist_records
 site = next(Path({str(venv)!r}).glob("lib/python3*/site-packages"))
 t = time.monotonic(); results = abi.check(site, Path({str(venv)!r}) / "bin" / "python",
                                           [{DISTRIBUTION!r}])

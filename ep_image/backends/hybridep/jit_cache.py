@@ -58,7 +58,7 @@ from ep_image.backends.hybridep.proc_dirs import (
     remove_tree,
     untrusted_chain,
 )
-from ep_image.trust import untrusted, untrusted_cache, untrusted_stat
+from ep_image.files.trust import untrusted, untrusted_cache, untrusted_stat
 
 CACHE_ENV = "EP_HYBRIDEP_JIT_CACHE"
 DEFAULT_CACHE = "/var/cache/ep-jit/hybrid_ep"

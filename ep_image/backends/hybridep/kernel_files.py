@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ep_image.trust import untrusted
+from ep_image.files.trust import untrusted
 
 #: A publisher's temporary file older than this was abandoned (a copy takes milliseconds).
 TMP_MAX_AGE_S = 3600.0

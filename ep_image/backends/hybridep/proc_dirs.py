@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ep_image.backends.hybridep.kernel_files import TMP_MAX_AGE_S
-from ep_image.trust import untrusted_stat
+from ep_image.files.trust import untrusted_stat
 
 #: This package's record in a proc-<pid> directory: whose it is, so a later process can tell a
 #: dead owner from a live one. Not a ``.so``: HybridEP loads only those.
@@ -66,7 +66,7 @@ def untrusted_chain(base: Path, directory: Path) -> str | None:
     holding the next writable by nobody else unless sticky (else another user renames the
     next one aside and builds their own, kernel included, in its place); ``directory`` itself
     writable by nobody else. ``base`` and its parent are followed if symbolic links (as
-    ep_image.trust.untrusted_cache does), the directories below them must not be links."""
+    ep_image.files.trust.untrusted_cache does), the directories below them must not be links."""
     below = directory.relative_to(base).parts
     chain: list[tuple[Path, bool]] = []
     if base.parent != base:

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ep_image import ld_trace
+from ep_image.native import loader
 
 LIBRARY = "libnccl_ep.so"
 #: ``nccl.ep`` loads ``lib/cu<major>/libnccl_ep.so`` for the major of the installed
@@ -81,8 +81,8 @@ def binds_to_nccl(library: Path, site: Path) -> str | None:
     """The ``libnccl.so.2`` the loader binds ``library`` to in this venv, torch's libraries
     mapped first as in a training process (None: not found)."""
     try:
-        direct, _ = ld_trace.resolve(library, ld_trace.torch_first(site))
-    except ld_trace.LoaderError:
+        direct, _ = loader.resolve(library, loader.torch_first(site))
+    except loader.LoaderError:
         return None
     found = direct.get("libnccl.so.2")
     return os.path.realpath(found) if found else None

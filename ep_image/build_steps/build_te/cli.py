@@ -20,9 +20,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from ep_image import SOURCE_ROOT, cli, prebuilt, tools
+from ep_image import SOURCE_ROOT, cli
+from ep_image.build_steps._source_builds import prebuilt
 from ep_image.build_steps._te_wheels import TE_RECORD
-from ep_image.build_steps._venv_cudnn import CudnnError, find_cudnn
+from ep_image.build_steps._uv import pinned, trust_store
+from ep_image.build_steps._venv.cudnn import CudnnError, find_cudnn
+from ep_image.build_steps._venv.layout import VenvError
 from ep_image.build_steps.build_te.environment import (
     BUILD_REQUIREMENTS,
     build_command,
@@ -49,8 +52,8 @@ from ep_image.build_steps.build_te.source import (
     source_commit,
     te_version,
 )
-from ep_image.project import VenvError, locked_versions, sha256_file, write_json
-from ep_image.record_path import not_a_file
+from ep_image.files.records import not_a_file, sha256_file, write_json
+from ep_image.pins import locked_versions
 
 PROG = "build_te"
 
@@ -351,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     not the base image's copy; the image then loads that same cuDNN first, stage_cudnn.py):
 
     1. find that cuDNN in the venv (``site-packages/nvidia/cudnn/{include,lib}``) and read its
-       version from ``cudnn_version.h`` (ep_image/build_steps/_venv_cudnn.py);
+       version from ``cudnn_version.h`` (ep_image/build_steps/_venv/cudnn.py);
     2. check that the TE source tree holds what TE's CMake needs (its git submodules are missing
        from plain snapshots) and, where only the cuDNN frontend headers are missing, point TE at
        the ``nvidia-cudnn-frontend`` wheel the lock pins (ep_image/build_steps/build_te/source.py);
@@ -373,14 +376,14 @@ def run(args: argparse.Namespace) -> int:
     the standard library is used (plus ep_image): this runs before anything else exists in an
     image. Exit codes: 0 built (or skipped, or a dry run); 1 an error that names its fix.
     """
-    tools.use_system_trust_store()  # behind a TLS-inspecting proxy too
+    trust_store.use_system_trust_store()  # behind a TLS-inspecting proxy too
     try:
         if args.skip is not None:
             path = write_record(args.out, skip_record(args))
             print(f"build_te: TE build skipped ({args.skip}); recorded in {path}")
             return 0
         if args.uv is None:  # by name when on PATH: the printed commands stay pasteable
-            args.uv = "uv" if shutil.which("uv") else tools.find_uv()
+            args.uv = "uv" if shutil.which("uv") else pinned.find_uv()
         if args.dry_run:
             print_plan(*plan(args, args.venv, args.source))
             return 0
@@ -391,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
             planned = plan(args, venv, source)
             record = planned[2]
             wheel = build(args, venv, source, planned)
-    except (BuildTeError, CudnnError, VenvError, tools.ToolError) as err:
+    except (BuildTeError, CudnnError, VenvError, pinned.ToolError) as err:
         # Each names its fix in its one message, as every build step's errors do.
         print(f"build_te: error: {err}", file=sys.stderr)
         return 1

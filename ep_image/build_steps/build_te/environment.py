@@ -19,10 +19,10 @@ from pathlib import Path
 
 from ep_image.build_steps import _lock_sync
 from ep_image.build_steps._te_wheels import TE_DISTRIBUTION
-from ep_image.build_steps._uv_run import BuildError, tail
-from ep_image.build_steps._venv_cudnn import Cudnn, dist_version
+from ep_image.build_steps._uv.run import BuildError, tail
+from ep_image.build_steps._venv.cudnn import Cudnn, dist_version
+from ep_image.build_steps._venv.layout import site_packages
 from ep_image.build_steps.build_te.source import BuildTeError
-from ep_image.project import site_packages
 
 # What TE's setup.py / CMake import or run besides torch, which the venv already holds.
 # TE's own pyproject lists them as build requirements; with no build isolation they must be in

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ep_image.build_steps._te_wheels import TE_DISTRIBUTION
-from ep_image.build_steps._venv_cudnn import dist_version
-from ep_image.project import PinError, pinned_git, site_packages
+from ep_image.build_steps._venv.cudnn import dist_version
+from ep_image.build_steps._venv.layout import site_packages
+from ep_image.pins import PinError, pinned_git
 
 FRONTEND_DIST = "nvidia-cudnn-frontend"
 

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ep_image import cli, mounts
+from ep_image import cli
 from ep_image.build_steps.dedup import leftovers, overlay
 from ep_image.build_steps.dedup import read_only as read_only_mode
 from ep_image.build_steps.dedup.hardlink import find_hardlink, hardlink_argv, run_hardlink
@@ -32,6 +32,7 @@ from ep_image.build_steps.dedup.report import (
     write_report,
 )
 from ep_image.build_steps.dedup.tree import JOURNALS, DedupError, glob_to_regex, literal_regex, scan
+from ep_image.files import mounts
 
 PROG = "dedup"
 #: Paths (relative to a root; a pattern without "/" matches the file name) never linked by

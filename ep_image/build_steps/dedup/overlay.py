@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import mounts
 from ep_image.build_steps.dedup.tree import DedupError, Tree, literal_regex, paths_regexes, scan
+from ep_image.files import mounts
 
 #: The --exclude regexes of what must be left alone may not pass this (a command line holds
 #: about 2 MiB in all).

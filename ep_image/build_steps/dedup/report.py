@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ep_image.build_steps.dedup.tree import Tree
-from ep_image.project import write_json
+from ep_image.files.records import write_json
 
 
 @dataclass
@@ -185,5 +185,5 @@ def _print_overlay(report: Report) -> None:
 
 
 def write_report(path: Path, report: Report) -> None:
-    """The JSON report, atomically (project.write_json: never over anything but a file)."""
+    """The JSON report, atomically (records.write_json: never over anything but a file)."""
     write_json(path, asdict(report), sort_keys=False)

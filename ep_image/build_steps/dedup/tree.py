@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import cli, mounts
+from ep_image import cli
+from ep_image.files import mounts
 
 #: util-linux hardlink links the kept file to "<duplicate>.hardlink-temporary", then renames it
 #: over the duplicate (misc-utils/hardlink.c, file_link(), 2.38 to 2.41). A file of that name is

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ep_image.build_steps._uv_run import BuildError
+from ep_image.build_steps._uv.run import BuildError
 
 
 def stale_temp_dirs(prefix: Path, backend: str) -> list[Path]:

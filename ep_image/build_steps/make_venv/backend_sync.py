@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image import nvshmem, prebuilt, source_build
 from ep_image.build_steps import _lock_sync
+from ep_image.build_steps._source_builds import nvshmem, prebuilt, toolchain
 from ep_image.build_steps._te_wheels import TE_DISTRIBUTION, TE_EXTRA
-from ep_image.build_steps._uv_run import BuildError, run, sync_failure
+from ep_image.build_steps._uv.run import BuildError, run, sync_failure
+from ep_image.build_steps._venv.layout import site_packages
 from ep_image.build_steps.make_venv import backend_wheels
 from ep_image.build_steps.make_venv.source_prep import prepare_source_build
-from ep_image.project import site_packages
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,10 @@ def sync_backend(
     ``inexact``: completing a skeleton, which already holds TE (installed apart from the lock).
     A backend whose build needs the venv's NVSHMEM or NCCL is synced in two steps: all but its
     distribution, then the distribution built against the venv's libraries (NVSHMEM:
-    ep_image/nvshmem.py with a ``$ORIGIN`` runpath, checked afterwards; NCCL: on the build's
-    LIBRARY_PATH). ``wheels``: where to take a prebuilt wheel of that distribution from, when
-    its record matches this build, and where to export the one compiled here
-    (ep_image/build_steps/make_venv/backend_wheels.py).
+    ep_image/build_steps/_source_builds/nvshmem.py with a ``$ORIGIN`` runpath, checked
+    afterwards; NCCL: on the build's LIBRARY_PATH). ``wheels``: where to take a prebuilt wheel
+    of that distribution from, when its record matches this build, and where to export the one
+    compiled here (ep_image/build_steps/make_venv/backend_wheels.py).
     """
     env = _lock_sync.sync_environment(venv)
     extras = [backend.extra, *([TE_EXTRA] if te else [])]
@@ -86,7 +86,7 @@ def sync_backend(
         if compiled and wheels.export_to is not None:
             backend_wheels.export(uv, env, venv, backend, wanted, wheels.export_to)
         return built
-    except (nvshmem.NvshmemError, source_build.LinkError) as exc:
+    except (nvshmem.NvshmemError, toolchain.LinkError) as exc:
         raise BuildError(f"{backend.name}: {exc}") from None
     except BuildError as exc:
         raise sync_failure(backend, str(exc)) from None
@@ -106,7 +106,7 @@ def _build_on_venv_libraries(
     run([*cmd, "--no-install-package", backend.distribution], env=env, cwd=project)
     build_env = nvshmem.build_environment(venv, env) if builds_nvshmem else {}
     if ep_backends.NCCL in backend.build_needs:
-        build_env.update(source_build.nccl_link(site_packages(venv), {**env, **build_env}))
+        build_env.update(toolchain.nccl_link(site_packages(venv), {**env, **build_env}))
     print(f"make_venv: {backend.name}: building against {build_env}", flush=True)
     run(cmd, env={**env, **build_env}, cwd=project)
     if not builds_nvshmem:

@@ -3,7 +3,8 @@
 Why: compiling DeepEP v1 or HybridEP takes many minutes of nvcc, and a CI cache or a bigger
 machine can do it once. ``export`` copies the wheel uv built (the very file the venv was
 installed from, found by content) beside a record of what it was built from; a later build
-takes it only when that record equals its own inputs (ep_image/prebuilt.py), else it compiles.
+takes it only when that record equals its own inputs
+(ep_image/build_steps/_source_builds/prebuilt.py), else it compiles.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ep_image import backends as ep_backends
-from ep_image import prebuilt, source_build
-from ep_image.build_steps._uv_run import BuildError, run
-from ep_image.project import git_source, sha256_file, site_packages, write_json
+from ep_image.build_steps._source_builds import prebuilt, uv_cache
+from ep_image.build_steps._uv.run import BuildError, run
+from ep_image.build_steps._venv.layout import site_packages
+from ep_image.files.records import sha256_file, write_json
+from ep_image.pins import git_source
 
 RECORD_SUFFIX = prebuilt.BACKEND_RECORD_SUFFIX
 
@@ -35,7 +38,7 @@ def expected(
 ) -> dict[str, Any]:
     """What a wheel of ``backend`` must have been built from to stand in for this build: the
     pinned commit of its extra, the locked versions of what it compiles against, the build key
-    (arch list, CUDA home, nvcc, declared variables: ep_image/source_build.py) and Python."""
+    (arch list, CUDA home, nvcc, declared variables: _source_builds/uv_cache.py) and Python."""
     pyproject = ep_backends.read_pyproject(project)
     _url, commit = git_source(pyproject, backend.distribution, backend.extra)
     return {
@@ -44,7 +47,7 @@ def expected(
         "distribution": backend.distribution,
         "commit": commit,
         "build_inputs": prebuilt.locked_inputs(project, backend.distribution),
-        "build_key": source_build.key_digest(key),
+        "build_key": uv_cache.key_digest(key),
         "python_tag": prebuilt.python_tag(),
     }
 
@@ -115,7 +118,7 @@ def export(
 ) -> Path:
     """Copy the wheel the venv was just built from into ``out``, with its record (``wanted``
     plus the wheel's name and sha256); returns the record's path."""
-    cache = source_build.uv_cache_dir(uv, env)
+    cache = uv_cache.uv_cache_dir(uv, env)
     wheel = built_wheel(cache, backend.distribution, site_packages(venv))
     out.mkdir(parents=True, exist_ok=True)
     target = out / wheel.name

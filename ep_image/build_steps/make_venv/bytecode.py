@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from ep_image.project import site_packages
+from ep_image.build_steps._venv.layout import site_packages
 
 
 def wants_bytecode(flag: bool) -> bool:

@@ -17,15 +17,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ep_image import backends as ep_backends
-from ep_image import child_env, cli, source_build, tools
+from ep_image import child_env, cli
 from ep_image.build_steps import _lock_sync
 from ep_image.build_steps import dedup as dedup_step
+from ep_image.build_steps._source_builds import toolchain
 from ep_image.build_steps._te_wheels import (
     TE_DISTRIBUTION,
     TE_DISTRIBUTIONS,
     install_te,
 )
-from ep_image.build_steps._uv_run import BuildError, tail, uv_executable
+from ep_image.build_steps._uv import trust_store
+from ep_image.build_steps._uv.run import BuildError, tail, uv_executable
+from ep_image.build_steps._venv.layout import SKELETON_RECORD, VenvError
 from ep_image.build_steps.make_venv.atomic_venv import (
     assert_relocated,
     building,
@@ -62,8 +65,7 @@ from ep_image.build_steps.make_venv.venv_record import (
     record_path,
     write_skeletons_record,
 )
-from ep_image.project import SKELETON_RECORD, VenvError, write_json
-from ep_image.record_path import not_a_file
+from ep_image.files.records import not_a_file, write_json
 
 EXIT_BUILD_FAILED = 1
 
@@ -126,7 +128,7 @@ def _build_one(uv: str, name: str, opts: Options, skeleton: bool) -> Path:
             uv, temp, backend, opts.project, skip, te=bool(opts.te_wheels),
             wheels=Wheels() if skeleton else opts.wheels,
         )  # fmt: skip
-        shutil.rmtree(temp / source_build.SCRATCH, ignore_errors=True)
+        shutil.rmtree(temp / toolchain.SCRATCH, ignore_errors=True)
         install_te(uv, temp, opts.te_wheels)
         _lock_sync.install_package(uv, temp)
         if opts.compile_bytecode:
@@ -179,7 +181,7 @@ def _complete_one(uv: str, name: str, opts: Options) -> Path:
         uv, venv, backend, opts.project, opts.no_install_packages,
         te=bool(skeleton.get("te_wheels")), inexact=True, wheels=opts.wheels,
     )  # fmt: skip
-    shutil.rmtree(venv / source_build.SCRATCH, ignore_errors=True)
+    shutil.rmtree(venv / toolchain.SCRATCH, ignore_errors=True)
     if opts.compile_bytecode:
         compile_new_sources(venv, before)
     installed = installed_distributions(uv, venv)
@@ -258,7 +260,7 @@ def check_inputs(opts: Options) -> None:
 def run(opts: Options) -> int:
     """Build what ``opts`` asks for. A build error is one line naming its fix (each backend's
     as it fails, with --keep-going the others are still built), exit 1."""
-    tools.use_system_trust_store()  # behind a TLS-inspecting proxy too
+    trust_store.use_system_trust_store()  # behind a TLS-inspecting proxy too
     failed: list[str] = []
     try:
         check_inputs(opts)

@@ -14,10 +14,10 @@ from pathlib import Path
 from ep_image import backends as ep_backends
 from ep_image import cli
 from ep_image.build_steps._te_wheels import TE_RECORD, select_te_wheels
+from ep_image.build_steps._venv.layout import SKELETON_RECORD, VENV_RECORD
 from ep_image.build_steps.make_venv.backend_sync import Wheels
 from ep_image.build_steps.make_venv.bytecode import wants_bytecode
 from ep_image.build_steps.make_venv.venv_record import SKELETONS_RECORD
-from ep_image.project import SKELETON_RECORD, VENV_RECORD
 
 PROG = "make_venv"
 

@@ -9,10 +9,11 @@ import os
 import subprocess
 from pathlib import Path
 
-from ep_image import abi, dist_records
 from ep_image import backends as ep_backends
-from ep_image.build_steps._uv_run import BuildError
-from ep_image.project import site_packages
+from ep_image.build_steps._uv.run import BuildError
+from ep_image.build_steps._venv import dist_records
+from ep_image.build_steps._venv.layout import site_packages
+from ep_image.native import abi
 
 
 def verify_backend(
@@ -46,7 +47,7 @@ def verify_backend(
 def check_files(venv: Path, distributions: list[str] | None = None) -> None:
     """BuildError unless every installed file (of ``distributions``, else of all) is byte for
     byte what its RECORD says: a truncated file in uv's cache installs cleanly and fails only
-    at import (ep_image/dist_records.py)."""
+    at import (ep_image/build_steps/_venv/dist_records.py)."""
     problems = dist_records.verify(site_packages(venv), distributions)
     if problems:
         raise BuildError(
@@ -74,7 +75,7 @@ def check_imports(venv: Path, modules: list[str]) -> None:
 
 def check_abi(venv: Path, distributions: list[str], strict: bool) -> list[dict[str, object]]:
     """Bind every compiled extension of ``distributions`` to the venv's own torch, NCCL, ...
-    (ep_image/abi.py); a BuildError names the first symbol that does not bind and the fix.
+    (ep_image/native/abi.py); a BuildError names the first symbol that does not bind and the fix.
     ``strict``: a library not found fails too (off for a venv that leaves packages out).
 
     Why here: a venv whose backend was built against another torch installs cleanly and fails
@@ -83,7 +84,7 @@ def check_abi(venv: Path, distributions: list[str], strict: bool) -> list[dict[s
     site = site_packages(venv)
     try:
         results = abi.check(site, venv / "bin" / "python", distributions)
-    except abi.ld_trace.LoaderError as exc:
+    except abi.loader.LoaderError as exc:
         raise BuildError(f"the ABI check could not run: {exc}") from None
     version = abi.torch_version(site)
     problems = [line for r in results for line in r.problems(version, strict)]

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ep_image import backends as ep_backends
 from ep_image.build_steps._te_wheels import TE_DISTRIBUTION
-from ep_image.build_steps._uv_run import BuildError
-from ep_image.project import SKELETON_RECORD, VENV_RECORD, sha256_file, write_json
+from ep_image.build_steps._uv.run import BuildError
+from ep_image.build_steps._venv.layout import SKELETON_RECORD, VENV_RECORD
+from ep_image.files.records import sha256_file, write_json
 
 #: The --skeleton run's record, in the prefix: which skeletons, from what, deduplicated.
 SKELETONS_RECORD = "venvs-common.json"

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ep_image import backends as registry
-from ep_image.probes import _facts
+from ep_image.probes import _installed, _mapped
 from ep_image.probes._adapters.base import Dispatched, EPBackend, Problem, Shape
 from ep_image.probes._adapters.deep_ep_common import pad_rows
 from ep_image.probes._report import Status, StepFailed, one_line
@@ -128,7 +128,7 @@ class NcclEPBackend(EPBackend):
             facts["nccl_loaded_path"] = str(libnccl.path)
         except Exception as exc:  # a fact to report; prerequisites() judges it
             facts["nccl_loaded_error"] = one_line(f"{type(exc).__name__}: {exc}")
-        facts["nccl_mapped"] = _facts.mapped_libraries(r"^libnccl\.so")
+        facts["nccl_mapped"] = _mapped.mapped_libraries(r"^libnccl\.so")
         return facts
 
     def _load_failure(self, message: str, facts: dict[str, Any]) -> StepFailed:
@@ -410,13 +410,13 @@ class NcclEPBackend(EPBackend):
         return int(torch.cuda.current_stream().cuda_stream)
 
     def _module_dir(self) -> Path:
-        found = _facts.module_dir(MODULE)
+        found = _installed.module_dir(MODULE)
         if found is None:
             raise StepFailed(Status.MISSING, f"no module named {MODULE}", "")
         return found
 
     def _distribution_version(self) -> str | None:
-        found = _facts.dist_version(registry.spec(self.name).distribution)
+        found = _installed.dist_version(registry.spec(self.name).distribution)
         return found[1] if found else None
 
     def _library(self) -> Any:

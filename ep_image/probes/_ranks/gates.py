@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ep_image import trust
-from ep_image.probes import _backend_detect, _facts
+from ep_image.files import trust
+from ep_image.probes import _backend_detect, _cuda, _installed, _mapped, _torch_stack, _versions
 from ep_image.probes._adapters.base import EPBackend, Shape
 from ep_image.probes._ranks.runtime import Runtime, agree, sync
 from ep_image.probes._ranks.types import Selection
@@ -230,8 +230,8 @@ def _check_cuda_home(
     PATH: a home missing one passed here and failed at the first dispatch (DeepEP v2 without
     cuobjdump: ``kernel_runtime.hpp:33): exit_code == 0``), so each is looked for there.
     """
-    home, how = _facts.cuda_home()
-    nvcc, nvcc_ver = _facts.nvcc_version(home)
+    home, how = _cuda.cuda_home()
+    nvcc, nvcc_ver = _cuda.nvcc_version(home)
     data.update(cuda_home=home, cuda_home_from=how, nvcc=nvcc, nvcc_version=nvcc_ver)
     tools = backend.jit_tools
     runs = _and(f"$CUDA_HOME/bin/{tool}" for tool in tools)
@@ -312,14 +312,14 @@ def _executable(path: Path) -> str | None:
 def _check_nccl(
     rt: Runtime, backend: EPBackend, data: dict[str, Any], notes: list[str], problems: Problems
 ) -> None:
-    nccl = _facts.torch_facts()["nccl"] if rt.use_gpu else None
-    nccl_dist = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+    nccl = _torch_stack.torch_facts()["nccl"] if rt.use_gpu else None
+    nccl_dist = _installed.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
     data["nccl"] = nccl
     data["nccl_dist"] = f"{nccl_dist[0]} {nccl_dist[1]}" if nccl_dist else None
-    data["nccl_mapped"] = _facts.mapped_libraries(r"^libnccl")
+    data["nccl_mapped"] = _mapped.mapped_libraries(r"^libnccl")
     if nccl:
         notes.append(f"NCCL {nccl}")
-    if backend.min_nccl is not None and _facts.version_at_least(nccl, backend.min_nccl) is False:
+    if backend.min_nccl is not None and _versions.version_at_least(nccl, backend.min_nccl) is False:
         need = ".".join(map(str, backend.min_nccl))
         problems.append(
             (
@@ -351,10 +351,10 @@ def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) 
     their internode and low-latency kernels; whether the extension links libnvshmem_host
     tells which build this is.
     """
-    nvshmem = _facts.dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
+    nvshmem = _installed.dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
     data["nvshmem_dist"] = f"{nvshmem[0]} {nvshmem[1]}" if nvshmem else None
     data["nvshmem_dir"] = os.environ.get("NVSHMEM_DIR")
-    data["nvshmem_mapped"] = _facts.mapped_libraries(r"^libnvshmem")
+    data["nvshmem_mapped"] = _mapped.mapped_libraries(r"^libnvshmem")
     if not backend.requires_gpu:
         return
     found = nvshmem[1] if nvshmem else data["nvshmem_dir"]
@@ -363,9 +363,9 @@ def _report_nvshmem(backend: EPBackend, data: dict[str, Any], notes: list[str]) 
         backend.name in _backend_detect.BACKEND_NAMES
         and _backend_detect.registry.spec(backend.name).links_nvshmem
     )
-    extension = _facts.extension_path("deep_ep_cpp") if links else None
+    extension = _installed.extension_path("deep_ep_cpp") if links else None
     if extension:
-        linked = _facts.file_contains(extension, b"libnvshmem_host")
+        linked = _installed.file_contains(extension, b"libnvshmem_host")
         data["nvshmem_linked_by"] = extension if linked else None
         text += (
             ", linked by deep_ep_cpp"
@@ -386,8 +386,8 @@ def _report_cxx_runtime(backend: EPBackend, data: dict[str, Any], notes: list[st
         return
     static = [
         path
-        for path in filter(None, (_facts.extension_path(name) for name in _EXTENSIONS))
-        if _facts.static_cxx_runtime(path)
+        for path in filter(None, (_installed.extension_path(name) for name in _EXTENSIONS))
+        if _installed.static_cxx_runtime(path)
     ]
     data["static_libstdcxx"] = static
     if static:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ep_image.probes import _facts, _supervise, _venv_record
+from ep_image.probes import _installed, _supervise, _venv_record
 from ep_image.probes._ranks import import_failure
 from ep_image.probes._ranks.runtime import SHARED_GPU_LABEL, RankEnv
 from ep_image.probes._ranks.types import ProbeKind, RunOptions, Selection, Unfinished, not_run
@@ -65,7 +65,7 @@ def finish(
         return code
     versions = {
         "python": sys.version.split()[0],
-        "torch": (_facts.dist_version("torch") or (None, None))[1],
+        "torch": (_installed.dist_version("torch") or (None, None))[1],
     }
     if sel.installed is not None:
         versions["backend"] = sel.installed.to_json()

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ep_image import elf
-from ep_image.probes import _backend_detect, _facts
+from ep_image.native import elf
+from ep_image.probes import _backend_detect, _installed, _versions
 
 #: NCCL that has the GIN device API DeepEP v2 uses across nodes (DeepEP's README).
 V2_MIN_NCCL = (2, 30, 4)
@@ -93,7 +93,7 @@ def backend_internode(installed: _backend_detect.Installed | None = None) -> dic
 
 def _links_nvshmem(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
     """DeepEP v1's extension links libnvshmem_host: its internode and low-latency kernels."""
-    ext = _facts.extension_path("deep_ep_cpp")
+    ext = _installed.extension_path("deep_ep_cpp")
     needed = elf_needed(ext) if ext else None
     facts["extension"], facts["needed"] = ext, needed
     if needed is not None:
@@ -108,7 +108,7 @@ def _links_nvshmem(inst: _backend_detect.Installed, facts: dict[str, Any]) -> No
 
 def _links_rdma(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
     """HybridEP's extension links libibverbs + libmlx5 (DOCA) or NIXL: a multi-node build."""
-    ext = _facts.extension_path("hybrid_ep_cpp")
+    ext = _installed.extension_path("hybrid_ep_cpp")
     needed = elf_needed(ext) if ext else None
     doca = (
         bool(inst.module_dir)
@@ -132,9 +132,9 @@ def _links_rdma(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
 
 def _nccl_gin(inst: _backend_detect.Installed, facts: dict[str, Any]) -> None:
     """DeepEP v2 goes across nodes through NCCL GIN: the venv's NCCL must be new enough."""
-    found = _facts.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+    found = _installed.dist_version("nvidia-nccl-cu13", "nvidia-nccl-cu12")
     facts["nccl"] = found[1] if found else None
-    ok = _facts.version_at_least(facts["nccl"], V2_MIN_NCCL)
+    ok = _versions.version_at_least(facts["nccl"], V2_MIN_NCCL)
     facts["internode"] = ok
     if ok is not None:
         want = ".".join(map(str, V2_MIN_NCCL))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ep_image import cli
-from ep_image.probes import _facts, _venv_record
+from ep_image.probes import _installed, _te, _venv_record
 from ep_image.probes._report import (
     Status,
     Step,
@@ -49,7 +49,7 @@ exit codes:
         "--te-build-info",
         metavar="PATH",
         help="te-build.json written by build_te.py (default: $EP_TE_BUILD_INFO, else the one in "
-        f"the directory holding this venv, else {_facts.DEFAULT_TE_BUILD_INFO}, else none)",
+        f"the directory holding this venv, else {_te.DEFAULT_TE_BUILD_INFO}, else none)",
     )
     parser.add_argument("--batch", type=int, default=2, help="attention batch (default: 2)")
     parser.add_argument("--seq", type=int, default=512, help="sequence length (default: 512)")
@@ -74,7 +74,7 @@ exit codes:
 def run(args: argparse.Namespace) -> int:
     # Before TE is imported: TE reads the attention backend switches at import and first use.
     os.environ.update(FUSED_ONLY_ENV)
-    build_info_path = _facts.te_build_info_path(args.te_build_info)
+    build_info_path = _te.te_build_info_path(args.te_build_info)
     steps: list[Step] = []
     imp, te = step_import()
     steps.append(imp)
@@ -98,13 +98,13 @@ def run(args: argparse.Namespace) -> int:
         steps.append(step_linear(te, args))
     code = exit_code_of(steps, args.require)
     versions: dict[str, Any] = {"python": sys.version.split()[0]}
-    torch_dist = _facts.dist_version("torch")
+    torch_dist = _installed.dist_version("torch")
     versions["torch"] = torch_dist[1] if torch_dist else None
     versions["transformer_engine"] = imp.data.get("version")
-    versions["te_build_info"] = _facts.read_json_file(build_info_path) if build_info_path else None
+    versions["te_build_info"] = _te.read_json_file(build_info_path) if build_info_path else None
     report = build_report("check_te", steps, code, require=bool(args.require), versions=versions)
     report["environment"] = _venv_record.environment_facts()
-    header = [f"te-build.json: {build_info_path or _facts.no_te_build_info()}"]
+    header = [f"te-build.json: {build_info_path or _te.no_te_build_info()}"]
     print(render_table("check_te", header, steps, code), flush=True)
     if args.json:
         write_report(args.json, report)

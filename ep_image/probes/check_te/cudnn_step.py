@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ep_image.probes import _cudnn_libs, _facts
+from ep_image.probes import _cudnn_libs, _installed, _te, _versions
 from ep_image.probes._report import Status, Step, StepFailed, one_line, timed_step
 
 #: A verdict on the loaded cuDNN: (status, detail, hint, data for the report).
@@ -79,8 +79,8 @@ def compare_cudnn(
     built = build_info.get("cudnn_version")
     data["built"] = built
     data["built_lib"] = build_info.get("cudnn_lib")
-    built_v = _facts.parse_version_triplet(built)
-    loaded_v = _facts.parse_version_triplet(loaded["version"])
+    built_v = _versions.parse_version_triplet(built)
+    loaded_v = _versions.parse_version_triplet(loaded["version"])
     if built_v is None:
         return Status.INFO, f"{build_info_path} has no cudnn_version", "", data
     if built_v != loaded_v:
@@ -161,11 +161,11 @@ def step_cudnn(build_info_path: str | None) -> Step:
     each overriding the one before, as the later cause explains the earlier symptom."""
     with timed_step("cudnn") as step:
         refusal = torch_loads_cudnn()
-        info = _facts.read_json_file(build_info_path) if build_info_path else None
-        verdict = compare_cudnn(info, build_info_path, _facts.loaded_cudnn())
+        info = _te.read_json_file(build_info_path) if build_info_path else None
+        verdict = compare_cudnn(info, build_info_path, _cudnn_libs.loaded_cudnn())
         verdict = with_torch_refusal(verdict, refusal)
         status, detail, hint, data = with_library_mix(verdict, _cudnn_libs.survey())
-        dist = _facts.dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
+        dist = _installed.dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12")
         data["cudnn_dist"] = f"{dist[0]} {dist[1]}" if dist else None
         step.data = data
         if status not in (Status.PASS, Status.INFO):

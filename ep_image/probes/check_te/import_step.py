@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ep_image.probes import _cudnn_libs, _facts
+from ep_image.probes import _cudnn_libs, _installed, _te
 from ep_image.probes._report import Status, Step, StepFailed, one_line, timed_step
 
 #: The variables Transformer Engine's import searches for cuDNN, NVRTC and cuRAND, in its order
@@ -71,8 +71,8 @@ def step_import() -> tuple[Step, Any]:
     """
     te = None
     with timed_step("import") as step:
-        found = _facts.dist_version(*_facts.TE_DISTRIBUTIONS)
-        module_dir = _facts.module_dir("transformer_engine")
+        found = _installed.dist_version(*_te.TE_DISTRIBUTIONS)
+        module_dir = _installed.module_dir("transformer_engine")
         step.data = {
             "distribution": found[0] if found else None,
             "version": found[1] if found else None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ep_image.probes import _facts
+from ep_image.probes import _installed, _te
 from ep_image.probes._report import Status, Step, StepFailed, timed_step
 from ep_image.probes.check_te.gpu_steps import FUSED_ONLY_ENV
 from ep_image.probes.check_te.import_step import import_failure, unbounded_lookup_vars
@@ -28,8 +28,8 @@ def step_model(mode: str, on_gpu: bool) -> tuple[Step, Any]:
     it is installed and a GPU is there), on (TE or nothing), off (torch's layers)."""
     te = None
     with timed_step("model") as step:
-        found = _facts.dist_version(*_facts.TE_DISTRIBUTIONS)
-        installed = _facts.module_dir("transformer_engine") is not None
+        found = _installed.dist_version(*_te.TE_DISTRIBUTIONS)
+        installed = _installed.module_dir("transformer_engine") is not None
         step.data = {"te_mode": mode, "te_installed": installed, "te_version": found and found[1]}
         why_not = None
         if mode == "off":

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ep_image.probes import _cudnn_libs, _facts
+from ep_image.probes import _cudnn_libs, _mapped
 from ep_image.probes._ranks.runtime import ONE_RANK_LABEL, SHARED_GPU_LABEL, Runtime, agree
 from ep_image.probes._ranks.steps import GATES, guarded
 from ep_image.probes._ranks.types import Ends, ProbeStep, StepRun
@@ -267,15 +267,15 @@ def step_libraries() -> Step:
     import torch
 
     with timed_step("libraries") as step:
-        nccl = sorted({os.path.realpath(p) for p in _facts.mapped_libraries(r"^libnccl\.so")})
-        nvshmem = sorted({os.path.realpath(p) for p in _facts.mapped_libraries(r"^libnvshmem")})
+        nccl = sorted({os.path.realpath(p) for p in _mapped.mapped_libraries(r"^libnccl\.so")})
+        nvshmem = sorted({os.path.realpath(p) for p in _mapped.mapped_libraries(r"^libnvshmem")})
         cudnn = _cudnn_libs.survey()
         step.data = {
             "nccl": nccl,
             "nvshmem": nvshmem,
             "cudnn_dirs": cudnn["dirs"],
             "cudnn_version": cudnn["reference_version"],
-            "te_loaded": bool(_facts.mapped_libraries(r"^libtransformer_engine")),
+            "te_loaded": bool(_mapped.mapped_libraries(r"^libtransformer_engine")),
             "torch_cuda": torch.version.cuda,
         }
         if len(nccl) > 1:

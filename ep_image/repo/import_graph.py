@@ -4,7 +4,7 @@ imports, and everything a command needs to run.
 Why this module exists: two things need the same answer. The layout test holds imports to one
 direction and no circle; the Dockerfile's input stages copy exactly what their command imports,
 so that an edit elsewhere leaves their (hours-long) layers in the cache and a new import can
-never be missing from them (``ep_image.dockerfile`` renders those COPY lines from here).
+never be missing from them (``ep_image.repo.dockerfile`` renders those COPY lines from here).
 Standard library only: it runs on the bare base image's Python too.
 """
 
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 #: The directory holding the package: the repository root, or /opt/ep-image in the image.
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_image.project import normalize
+from ep_image.pins import normalize
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ep_image import elf
+from ep_image.native import elf
 
 #: Where glibc's loader lives when `ld.so` is not on PATH (Debian and Ubuntu put it there).
 _RTLDS = {
@@ -187,7 +187,7 @@ def resolve(path: Path, preload: Sequence[str] = ()) -> tuple[dict[str, str | No
 
 
 def elf_dynamic(path: Path) -> elf.Dynamic:
-    """DT_NEEDED and DT_SONAME (ep_image/elf.py), errors as LoaderError."""
+    """DT_NEEDED and DT_SONAME (ep_image/native/elf.py), errors as LoaderError."""
     try:
         return elf.read_dynamic(path)
     except elf.ElfError as exc:

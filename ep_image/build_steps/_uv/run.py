@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ep_image import tools
+from ep_image.build_steps._uv import pinned
 
 if TYPE_CHECKING:
     from ep_image.backends import Backend
@@ -26,8 +26,8 @@ class BuildError(RuntimeError):
 def uv_executable() -> str:
     """Path of uv, or a BuildError naming the pinned version and how to install it."""
     try:
-        return tools.find_uv()
-    except tools.ToolError as exc:
+        return pinned.find_uv()
+    except pinned.ToolError as exc:
         raise BuildError(str(exc)) from None
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ep_image import elf, ld_trace
+from ep_image.native import elf, loader
 
 #: Provided by the GPU driver at run time, never by a venv; a toolkit stub may stand in.
 DRIVER_LIBS = {"libcuda.so.1": "libcuda.so", "libnvidia-ml.so.1": "libnvidia-ml.so"}
@@ -174,7 +174,7 @@ def bind(
     every symbol; what could not be bound is the result."""
     result = ExtensionAbi(extension=str(extension))
     result.static_cxx_runtime = carries_cxx_runtime(extension)
-    found, missing = ld_trace.resolve(extension, preload)
+    found, missing = loader.resolve(extension, preload)
     absent = {lib for lib, where in found.items() if where is None} | set(missing)
     stubs = driver_stubs(env)
     stand_ins = [lib for lib in DRIVER_LIBS if lib in absent and lib in stubs]
@@ -183,10 +183,10 @@ def bind(
     if "libcuda.so.1" in absent:
         result.driver = "stub" if "libcuda.so.1" in stubs else "absent"
     elif "libcuda.so.1" not in found and not any(
-        Path(p).name.startswith("libcuda.so") for p in ld_trace.closure(extension, preload)
+        Path(p).name.startswith("libcuda.so") for p in loader.closure(extension, preload)
     ):
         result.driver = "not linked"
-    with ld_trace.SafeNames() as safe:
+    with loader.SafeNames() as safe:
         objects = [*result.stand_ins.values(), *preload, str(extension)]
         environment = {
             **(os.environ if env is None else env),
@@ -198,12 +198,12 @@ def bind(
         # The interpreter the venv's python links to, as exec would find it (its $ORIGIN).
         program = safe.path(os.path.realpath(python))
         proc = subprocess.run(
-            [ld_trace.loader(), program], capture_output=True, text=True, env=environment,
+            [loader.loader(), program], capture_output=True, text=True, env=environment,
             check=False,
         )  # fmt: skip
     output = proc.stdout + "\n" + proc.stderr  # read line by line, paths mapped back after
     if proc.returncode != 0 and "undefined symbol" not in output:
-        raise ld_trace.LoaderError(
+        raise loader.LoaderError(
             f"the loader cannot bind {extension}: {safe.real(output.strip()) or proc.returncode}"
         )
     seen: set[tuple[str, str]] = set()
@@ -266,7 +266,7 @@ def check(
         if not extensions:
             continue
         if torch_libs is None:
-            torch_libs = ld_trace.torch_first(site)
+            torch_libs = loader.torch_first(site)
         own = [str(p) for p in extensions if not is_python_module(p)]
         for ext in extensions:
             first = [*torch_libs, *own] if is_python_module(ext) else torch_libs

@@ -14,8 +14,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ep_image import elf, project
-from ep_image.elf import Dynamic
+from ep_image.build_steps._venv.layout import VenvError, site_packages
+from ep_image.native import elf
+from ep_image.native.elf import Dynamic
 
 DISTRIBUTION = "nvidia-nvshmem-cu13"
 RUNPATH = "$ORIGIN/nvidia/nvshmem/lib"
@@ -27,17 +28,17 @@ class NvshmemError(RuntimeError):
     """The NVSHMEM set-up or the built extension is wrong; the message names the fix."""
 
 
-def site_packages(venv: Path) -> Path:
-    """The venv's one lib/pythonX.Y/site-packages."""
+def _site_packages(venv: Path) -> Path:
+    """The venv's one lib/pythonX.Y/site-packages, its absence an NvshmemError."""
     try:
-        return project.site_packages(venv)
-    except project.VenvError as exc:
+        return site_packages(venv)
+    except VenvError as exc:
         raise NvshmemError(str(exc)) from None
 
 
 def nvshmem_dir(venv: Path) -> Path:
     """``site-packages/nvidia/nvshmem`` of the venv, checked to hold the host library."""
-    root = site_packages(venv) / "nvidia" / "nvshmem"
+    root = _site_packages(venv) / "nvidia" / "nvshmem"
     if not sorted((root / "lib").glob(f"{HOST_LIB}.*")):
         raise NvshmemError(
             f"{venv} has no {DISTRIBUTION} ({root}/lib/{HOST_LIB}.* missing), which the backend's "
@@ -72,7 +73,7 @@ def build_environment(venv: Path, base: dict[str, str] | None = None) -> dict[st
 
 
 def read_dynamic(path: Path) -> Dynamic:
-    """The extension's dynamic section (ep_image/elf.py), errors as NvshmemError."""
+    """The extension's dynamic section (ep_image/native/elf.py), errors as NvshmemError."""
     try:
         return elf.read_dynamic(path)
     except (OSError, elf.ElfError) as exc:
@@ -91,7 +92,7 @@ class ExtensionCheck:
 
 def check_extension(venv: Path) -> dict[str, object]:
     """Fail unless the backend's extension finds the venv's NVSHMEM through ``$ORIGIN``."""
-    site = site_packages(venv)
+    site = _site_packages(venv)
     extensions = sorted(site.glob(EXTENSION_GLOB))
     if not extensions:
         raise NvshmemError(

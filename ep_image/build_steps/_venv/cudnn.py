@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ep_image.project import VenvError, site_packages
+from ep_image.build_steps._venv.layout import VenvError, site_packages
 
 CUDNN_DIST = "nvidia-cudnn-cu13"
 FIX_CUDNN = (

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ep_image.project import normalize, read_toml, sha256_file
+from ep_image.files.records import sha256_file
+from ep_image.pins import normalize, read_toml
 
 #: A DeepEP build's record beside its wheel: ``<backend>-wheel.json``.
 BACKEND_RECORD_SUFFIX = "-wheel.json"
