@@ -30,15 +30,23 @@ def nvcc_own_dir(nvcc: str) -> Path | None:
     return Path(match.group(1).strip()) if match else None
 
 
+def _named_home() -> tuple[str, str] | None:
+    """The toolkit the environment names (``CUDA_HOME``, then ``CUDA_PATH``), and which."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(var)
+        if value:
+            return value, var
+    return None
+
+
 def cuda_home() -> tuple[str | None, str]:
     """The CUDA toolkit directory and how it was found, the way DeepEP v2 looks for it.
 
     Order: ``CUDA_HOME``, ``CUDA_PATH``, the parent of ``nvcc`` on PATH, ``/usr/local/cuda``.
     """
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        value = os.environ.get(var)
-        if value:
-            return value, var
+    named = _named_home()
+    if named is not None:
+        return named
     nvcc = shutil.which("nvcc")
     if nvcc:
         return str(Path(os.path.realpath(nvcc)).parent.parent), "nvcc on PATH"
@@ -56,10 +64,9 @@ def toolkit_home() -> tuple[str | None, str]:
     :func:`cuda_home` is the lookup a JIT backend makes, which takes the wrapper's parent:
     ``found_by`` says when the two differ and that ``CUDA_HOME`` is the fix.
     """
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        value = os.environ.get(var)
-        if value:
-            return value, var
+    named = _named_home()
+    if named is not None:
+        return named
     nvcc = shutil.which("nvcc")
     if nvcc:
         home = Path(os.path.realpath(nvcc)).parent.parent
