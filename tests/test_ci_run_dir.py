@@ -1,4 +1,4 @@
-""".ci/sweep-dead-runs: what a killed .ci/run left is removed by the next one, a live run's
+""".ci/run-dir: what a killed .ci/run left is removed by the next one, a live run's
 directory is not.
 
 A CI run killed mid-way left its directory in the cache (pytest's temporary files, buildah
@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ROOT / ".ci" / "sweep-dead-runs"
-OWN = "echo \"$$ $(sed 's/.*) //' /proc/$$/stat | cut -d' ' -f20)\" > \"$1/owner\""
+RUN_DIR = ROOT / ".ci" / "run-dir"
 
 
 def a_run(cache: Path, name: str) -> tuple[Path, subprocess.Popen]:
@@ -25,7 +24,8 @@ def a_run(cache: Path, name: str) -> tuple[Path, subprocess.Popen]:
     run_dir = cache / f"ci-run.{name}"
     (run_dir / "pytest-of-root").mkdir(parents=True)
     (run_dir / "pytest-of-root" / "build.log").write_text("left behind\n")
-    shell = subprocess.Popen(["bash", "-c", f"{OWN}; exec sleep 300", "run", str(run_dir)])
+    own = f'"{RUN_DIR}" own "$1" $$; exec sleep 300'
+    shell = subprocess.Popen(["bash", "-c", own, "run", str(run_dir)])
     deadline = time.monotonic() + 10
     while not (run_dir / "owner").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -52,7 +52,10 @@ def test_a_killed_runs_directory_goes_a_live_ones_stays(tmp_path: Path) -> None:
         own = cache / "ci-run.own"
         own.mkdir()
         proc = subprocess.run(
-            [str(SWEEP), str(cache), str(own)], capture_output=True, text=True, timeout=60
+            [str(RUN_DIR), "sweep", str(cache), str(own)],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     finally:
         for shell in (alive_shell, reused_shell):
@@ -69,5 +72,5 @@ def test_a_killed_runs_directory_goes_a_live_ones_stays(tmp_path: Path) -> None:
 
 def test_ci_run_owns_its_directory_and_sweeps_before_the_tests() -> None:
     text = (ROOT / ".ci" / "run").read_text()
-    owner, sweep = text.index('> "$run_dir/owner"'), text.index("sweep-dead-runs")
+    owner, sweep = text.index('own "$run_dir" $$'), text.index('sweep "$cache" "$run_dir"')
     assert owner < sweep < text.index("uv run --exact"), "own, then sweep, then the tests"
