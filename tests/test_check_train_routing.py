@@ -21,10 +21,8 @@ from ep_image.probes.check_train.model import ModelShape, MoETransformer, batch_
 SHAPE = ModelShape(tokens=256, hidden=64, experts=8, topk=2, layers=2, seq=64, heads=4)
 
 
-def model_and_batch() -> tuple[MoETransformer, torch.Tensor]:
-    model = MoETransformer(SHAPE, seed=3, rank=0, world=1, device=torch.device("cpu"))
-    inputs, _ = batch_of(SHAPE, 3, 0, 0)
-    return model, inputs
+def a_model() -> MoETransformer:
+    return MoETransformer(SHAPE, seed=3, rank=0, world=1, device=torch.device("cpu"))
 
 
 def experts_of(model: MoETransformer):
@@ -46,7 +44,7 @@ def gradients(model: MoETransformer, checkpointed: bool, move_router: bool = Fal
 
 
 def test_a_recompute_without_drift_moves_nothing_and_matches_no_checkpoint_bit_for_bit() -> None:
-    model, _ = model_and_batch()
+    model = a_model()
     plain = gradients(model, checkpointed=False)
     again = gradients(model, checkpointed=True)
     assert model.routing.summary() == {"recomputes": 2, "tokens_moved": 0, "score_drift": 0.0}
@@ -54,7 +52,7 @@ def test_a_recompute_without_drift_moves_nothing_and_matches_no_checkpoint_bit_f
 
 
 def test_a_router_that_moves_in_the_recompute_is_replayed_and_counted() -> None:
-    model, _ = model_and_batch()
+    model = a_model()
     gradients(model, checkpointed=True, move_router=True)
     found = model.routing.summary()
     assert found["recomputes"] == 2 and found["tokens_moved"] > 0 and found["score_drift"] > 0
@@ -71,6 +69,6 @@ def test_without_the_replay_the_same_drift_is_torchs_checkpoint_error(monkeypatc
         return replayed(self, layer, logits, topk)
 
     monkeypatch.setattr(routing.RoutingReplay, "route", fresh_choice)
-    model, _ = model_and_batch()
+    model = a_model()
     with pytest.raises(CheckpointError, match="different metadata"):
         gradients(model, checkpointed=True, move_router=True)
