@@ -477,7 +477,7 @@ def step_speed(backend: Any, fallback: Any, tokens: int, label: str, reference: 
         if reference:
             text += "; the torch reference is the all-gather exchange itself"
         elif label == ONE_RANK_LABEL:
-            # Measured on one H100: DeepEP v2 0.93x, NCCL EP 0.89x; the same at 2 ranks: >1x.
+            # One H100: DeepEP v2 0.93x, NCCL EP 0.89x at 1 rank; 2 ranks sharing it: v1 1.03x.
             text += "; on one rank the fallback's all-gather moves nothing: no speedup to expect"
         elif speedup <= 1.0:
             slower = f"{1 / speedup:.1f}x slower than" if speedup < 1.0 else "as fast as"
